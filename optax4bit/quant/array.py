@@ -1,0 +1,172 @@
+"""`QuantizedArray` and the `quantize` / `dequantize` reference (jnp)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax4bit.quant import maps, normalize, packing
+from optax4bit.quant.spec import QuantSpec, SpecLike, as_spec
+
+__all__ = ["QuantizedArray", "quantize", "dequantize"]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+  """A tensor stored as packed integer codes plus float32 scales.
+
+  A registered pytree: ``codes`` (uint8) and ``scales`` (a tuple of float32
+  arrays) are its leaves; ``spec``, ``shape`` and ``dtype`` are static aux
+  data. Codes and scales keep the tensor's rank (see `optax4bit.quant.normalize`
+  for the layouts), so a ``PartitionSpec`` of the tensor applies to them.
+
+  Attributes:
+    codes: uint8 codes; for 4 bits two per byte along the last axis, shape
+      ``shape[:-1] + (ceil(shape[-1] / 2),)``.
+    scales: the normalization's float32 scale arrays.
+    spec: the `QuantSpec` used.
+    shape: the logical shape of the tensor.
+    dtype: the dtype that `dequantize` returns by default.
+  """
+
+  codes: Any
+  scales: tuple
+  spec: QuantSpec = dataclasses.field(metadata=dict(static=True))
+  shape: tuple = dataclasses.field(metadata=dict(static=True))
+  dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes actually stored: codes plus scales."""
+    return int(sum(np.dtype(leaf.dtype).itemsize * math.prod(leaf.shape)
+                   for leaf in jax.tree.leaves(self)))
+
+  @property
+  def layout(self) -> normalize.Layout:
+    return normalize.layout_for(self.spec, self.shape)
+
+  def dequantize(self, dtype=None) -> jax.Array:
+    """Same as ``optax4bit.dequantize(self, dtype)``."""
+    return dequantize(self, self.dtype if dtype is None else dtype)
+
+  def __repr__(self) -> str:
+    return (f"QuantizedArray({self.spec}, shape={self.shape}, "
+            f"dtype={np.dtype(self.dtype).name})")
+
+
+jax.tree_util.register_dataclass(
+    QuantizedArray, data_fields=["codes", "scales"], meta_fields=["spec", "shape", "dtype"])
+
+
+def encode(x: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
+           uniform: Optional[jax.Array] = None) -> jax.Array:
+  """Packed codes of float32 ``x`` under given scales (``uniform`` draws for
+  stochastic rounding)."""
+  n = normalize.normalize(x, normalize.expand_scales(scales, layout, x.shape))
+  if spec.stochastic:
+    codes = maps.encode_stochastic(n, uniform, spec.mapping, spec.bits, spec.signed)
+  else:
+    codes = maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed)
+  return packing.pack(codes, spec.bits)
+
+
+def decode(codes: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
+           shape: tuple) -> jax.Array:
+  """float32 values of packed ``codes`` for a tensor of ``shape``."""
+  values = maps.decode(packing.unpack(codes, shape[-1], spec.bits), spec.mapping, spec.bits,
+                       spec.signed)
+  return values * normalize.expand_scales(scales, layout, shape)
+
+
+def _check_input(x: Any, argname: str) -> jax.Array:
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{argname} must be a floating-point array, got dtype {x.dtype}.")
+  if x.ndim == 0 or x.size == 0:
+    raise ValueError(f"{argname} must have at least one axis and one element, got shape "
+                     f"{x.shape}.")
+  return x
+
+
+def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None) -> QuantizedArray:
+  """Quantizes a floating-point array.
+
+  Math is float32 whatever the input dtype. Each element is normalized by its
+  scale and encoded to the nearest table entry (ties to the lower index), or
+  rounded stochastically if ``spec.stochastic``. Non-finite inputs never crash
+  and never spread: scales are maxima over the finite values only, ``NaN``
+  encodes as 0 (the table's smallest entry for zero-free maps) and ``+-inf``
+  as the table's ends (``+-scale``). An all-zero block or row has scale 0 and
+  dequantizes to exact zeros. Unsigned maps clamp negative inputs to their
+  smallest entry.
+
+  Args:
+    x: array of ndim >= 1 (float32, bfloat16, float16, ...).
+    spec: a `QuantSpec` or a name such as ``"B128/DE"``.
+    key: PRNG key, required for stochastic rounding.
+
+  Returns:
+    A `QuantizedArray` remembering ``x``'s shape and dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, optax4bit
+    >>> x = jnp.linspace(-1.0, 1.0, 256).reshape(2, 128)
+    >>> q = optax4bit.quantize(x, "B128/DE")
+    >>> q.codes.shape, q.scales[0].shape, q.nbytes
+    ((2, 64), (2, 1), 136)
+    >>> float(jnp.max(jnp.abs(optax4bit.dequantize(q) - x))) < 0.15
+    True
+  """
+  spec = as_spec(spec)
+  x = _check_input(x, "x")
+  if spec.stochastic and key is None:
+    raise ValueError(f"spec {spec} rounds stochastically and needs a PRNG `key`.")
+  layout = normalize.layout_for(spec, x.shape)
+  x32 = x.astype(jnp.float32)
+  scales = normalize.compute_scales(normalize.finite_abs(x32), layout)
+  uniform = jax.random.uniform(key, x.shape) if spec.stochastic else None
+  codes = encode(x32, scales, spec, layout, uniform)
+  return QuantizedArray(codes, scales, spec, tuple(x.shape), np.dtype(x.dtype))
+
+
+def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
+  """Returns the array that ``q`` stores, as ``dtype``.
+
+  Args:
+    q: a `QuantizedArray`.
+    dtype: the result dtype (float32 by default; the math is float32).
+
+  Example:
+    >>> import jax.numpy as jnp, optax4bit
+    >>> q = optax4bit.quantize(jnp.array([[0.0, 0.5], [1.0, 2.0]]), "Rank-1/Linear")
+    >>> optax4bit.dequantize(q)
+    Array([[0.03125, 0.5    ],
+           [1.     , 2.     ]], dtype=float32)
+  """
+  if not isinstance(q, QuantizedArray):
+    raise ValueError(f"q must be a QuantizedArray, got {type(q).__name__}.")
+  return decode(q.codes, q.scales, q.spec, q.layout, q.shape).astype(dtype)
+
+
+def zeros(shape: tuple, dtype, spec: QuantSpec) -> QuantizedArray:
+  """The quantized all-zero tensor, built without encoding anything."""
+  layout = normalize.layout_for(spec, shape)
+  zero_code = int(maps.encode_nearest(jnp.zeros(()), spec.mapping, spec.bits, spec.signed))
+  byte = zero_code | (zero_code << 4) if spec.bits == 4 else zero_code
+  codes_shape = tuple(shape[:-1]) + (packing.packed_length(shape[-1], spec.bits),)
+  codes = jnp.full(codes_shape, byte, jnp.uint8)
+  scales = tuple(jnp.zeros(s, jnp.float32) for s in normalize.scale_shapes(layout, shape))
+  return QuantizedArray(codes, scales, spec, tuple(shape), np.dtype(dtype))

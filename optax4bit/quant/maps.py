@@ -1,0 +1,175 @@
+"""Quantization tables and nearest-entry encoding (jnp reference).
+
+Encoding is a binary search over the midpoints between neighbouring table
+entries: ``bits`` compares per element. For 4 bits each compare's threshold is
+picked by a small tree of selects (no gather, which XLA's CPU backend does not
+vectorize); 8-bit tables use a gather. ``Linear`` tables have closed forms.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax4bit.quant.spec import MAPPINGS, SUPPORTED_BITS, UNSIGNED_ONLY_MAPPINGS
+
+__all__ = ["qmap"]
+
+
+def _dynamic_exponent_map(bits: int, signed: bool) -> np.ndarray:
+  """The bitsandbytes dynamic map with E = N = bits - 1 (see SPEC.md 2)."""
+  exponent_bits = non_sign_bits = bits - 1
+  values = []
+  for i in range(exponent_bits):
+    extra = 0 if signed else 1
+    num_points = 2 ** (i + non_sign_bits - exponent_bits + extra) + 1
+    edges = np.linspace(0.1, 1.0, num_points)
+    midpoints = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - (exponent_bits - 1))
+    values.extend(midpoints)
+    if signed:
+      values.extend(-midpoints)
+  values.extend([0.0, 1.0])
+  table = np.sort(np.asarray(values, dtype=np.float64)).astype(np.float32)
+  assert table.size == 2**bits, table.size
+  return table
+
+
+@functools.lru_cache(maxsize=None)
+def _table(mapping: str, bits: int, signed: bool) -> np.ndarray:
+  if mapping == "Linear":
+    table = (np.arange(2**bits, dtype=np.float64) + 1) / 2**bits
+  elif mapping == "DE":
+    table = _dynamic_exponent_map(bits, signed)
+  else:  # DE-0: zero replaced by the smallest non-zero entry.
+    table = _dynamic_exponent_map(bits, False)
+    table[0] = table[1]
+  table = table.astype(np.float32)
+  table.setflags(write=False)
+  return table
+
+
+def qmap(mapping: str, bits: int = 4, signed: Optional[bool] = None) -> np.ndarray:
+  """Returns the sorted quantization table of a mapping.
+
+  Args:
+    mapping: ``"DE"``, ``"DE-0"`` or ``"Linear"``.
+    bits: 4 or 8; the table has ``2**bits`` float32 entries.
+    signed: ``DE`` only: whether the table covers [-1, 1] (default) or [0, 1].
+      ``DE-0`` and ``Linear`` exclude zero and exist only unsigned.
+
+  Returns:
+    A read-only float32 numpy array, sorted ascending.
+
+  Example:
+    >>> import optax4bit
+    >>> optax4bit.qmap("Linear")[:3]
+    array([0.0625, 0.125 , 0.1875], dtype=float32)
+    >>> float(optax4bit.qmap("DE", signed=True)[0])
+    -0.887499988079071
+  """
+  if mapping not in MAPPINGS:
+    raise ValueError(f"mapping must be one of {MAPPINGS}, got {mapping!r}.")
+  if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+    raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}.")
+  if signed is None:
+    signed = mapping not in UNSIGNED_ONLY_MAPPINGS
+  if signed and mapping in UNSIGNED_ONLY_MAPPINGS:
+    raise ValueError(f"mapping {mapping!r} excludes zero and has no signed table.")
+  return _table(mapping, bits, bool(signed))
+
+
+@functools.lru_cache(maxsize=None)
+def midpoint_thresholds(mapping: str, bits: int, signed: bool) -> np.ndarray:
+  """``2**bits - 1`` float32 thresholds ``t`` with ``x > t[k]`` exactly when
+  ``x`` is strictly nearer to entry ``k + 1`` than to entry ``k``.
+
+  The real midpoint of two float32 numbers is exact in float64; when it is not
+  a float32 number we take the float32 just below it, so that a float32 ``x``
+  compares against the threshold as it would against the exact midpoint (a
+  tie, ``x`` equal to the exact midpoint, goes to the lower index).
+  """
+  table = _table(mapping, bits, signed).astype(np.float64)
+  exact = (table[:-1] + table[1:]) / 2
+  rounded = exact.astype(np.float32)
+  too_high = rounded.astype(np.float64) > exact
+  rounded[too_high] = np.nextafter(rounded[too_high], np.float32(-np.inf))
+  rounded.setflags(write=False)
+  return rounded
+
+
+def _select_by_bits(decided: list, values: list):
+  """``values[i]`` where ``i`` is spelled by the boolean arrays ``decided`` (MSB
+  first), as a tree of selects over Python constants."""
+  if len(values) == 1:
+    return np.float32(values[0])
+  half = len(values) // 2
+  return jnp.where(decided[0], _select_by_bits(decided[1:], values[half:]),
+                   _select_by_bits(decided[1:], values[:half]))
+
+
+def count_above(x: jax.Array, bounds: np.ndarray, *, inclusive: bool = False) -> jax.Array:
+  """Number of sorted ``bounds`` below ``x`` (``x > b``, or ``x >= b`` if
+  ``inclusive``), by binary search: ``log2(len(bounds) + 1)`` compares."""
+  num_levels = int(np.log2(bounds.size + 1))
+  assert 2**num_levels == bounds.size + 1
+  compare = jnp.greater_equal if inclusive else jnp.greater
+  if num_levels <= 4:
+    decided = []
+    for level in range(num_levels):
+      step = 2 ** (num_levels - 1 - level)
+      candidates = [bounds[prefix * 2 * step + step - 1] for prefix in range(2**level)]
+      decided.append(compare(x, _select_by_bits(decided, candidates)))
+    count = jnp.zeros(x.shape, jnp.int32)
+    for level, bit in enumerate(decided):
+      count = count + bit.astype(jnp.int32) * (2 ** (num_levels - 1 - level))
+    return count
+  padded = jnp.asarray(np.append(bounds, np.float32(np.inf)))
+  count = jnp.zeros(x.shape, jnp.int32)
+  for level in range(num_levels):
+    step = 2 ** (num_levels - 1 - level)
+    count = jnp.where(compare(x, padded[count + step - 1]), count + step, count)
+  return count
+
+
+def encode_nearest(n: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array:
+  """Codes (uint8) of the nearest table entries to float32 ``n``; ties go to
+  the lower index; values outside the table clamp to its ends."""
+  if mapping == "Linear":
+    # Entries (i + 1) / 2**b, midpoints (i + 1.5) / 2**b: exact in float32.
+    levels = 2**bits
+    code = jnp.clip(jnp.ceil(n * np.float32(levels) - np.float32(1.5)), 0, levels - 1)
+    return code.astype(jnp.uint8)
+  return count_above(n, midpoint_thresholds(mapping, bits, signed)).astype(jnp.uint8)
+
+
+def encode_stochastic(n: jax.Array, uniform: jax.Array, mapping: str, bits: int,
+                      signed: bool) -> jax.Array:
+  """Unbiased stochastic rounding between the two neighbouring entries.
+
+  ``uniform`` holds U[0, 1) draws shaped like ``n``. Values outside the table
+  clamp to its ends first (the only biased case).
+  """
+  table = _table(mapping, bits, signed)
+  n = jnp.clip(n, table[0], table[-1])
+  lower = count_above(n, table[1:], inclusive=True)  # largest k with table[k] <= n
+  upper = jnp.minimum(lower + 1, table.size - 1)
+  low_value = decode(lower, mapping, bits, signed)
+  gap = decode(upper, mapping, bits, signed) - low_value
+  round_up_probability = jnp.where(gap > 0, (n - low_value) / jnp.where(gap > 0, gap, 1), 0)
+  return (lower + (uniform < round_up_probability).astype(jnp.int32)).astype(jnp.uint8)
+
+
+def decode(codes: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array:
+  """float32 table entries for integer ``codes``."""
+  if mapping == "Linear":
+    return (codes.astype(jnp.float32) + 1) * np.float32(1.0 / 2**bits)
+  table = _table(mapping, bits, signed)
+  if bits <= 4:
+    codes = codes.astype(jnp.int32)
+    decided = [(codes & (1 << (bits - 1 - level))) != 0 for level in range(bits)]
+    return _select_by_bits(decided, list(table))
+  return jnp.asarray(table)[codes.astype(jnp.int32)]

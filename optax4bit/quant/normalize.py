@@ -1,0 +1,125 @@
+"""Scales of the three normalizations, all kept at the tensor's rank.
+
+Layouts (``x`` of shape ``(..., r, d)``):
+
+* ``tensor``: one scale of shape ``(1,) * ndim``.
+* ``block`` with block size ``B``: blocks run along the last axis, scales have
+  shape ``(..., r, ceil(d / B))``; a ragged last block is allowed. When the last
+  axis is shorter than half a block, a block instead covers ``g = B // d``
+  consecutive whole rows (scales ``(..., ceil(r / g), 1)``), so that short rows
+  do not pay one float32 scale per few elements; when ``d`` divides ``B`` this
+  is exactly the paper's block of ``B`` consecutive elements of the flattened
+  tensor.
+* ``rank1``: one vector per axis ``k``, shaped ``(1, .., n_k, .., 1)``; the
+  scale of an element is the minimum over axes of its vectors' entries.
+  1-D tensors fall back to ``B128``.
+
+Maxima ignore non-finite values, so one inf or NaN never spreads to its block,
+row or column.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax4bit.quant.spec import RANK1_FALLBACK_BLOCK, QuantSpec
+
+
+class Layout(NamedTuple):
+  """Static description of how a spec normalizes a tensor of one shape."""
+  normalization: str  # "tensor", "block" or "rank1", after the 1-D fallback.
+  block_size: int
+  rows_per_block: int  # > 1 when a block spans whole rows of axis -2.
+
+
+def layout_for(spec: QuantSpec, shape: tuple) -> Layout:
+  if spec.normalization == "rank1" and len(shape) < 2:
+    return Layout("block", RANK1_FALLBACK_BLOCK, 1)
+  if spec.normalization == "block":
+    rows = 1
+    if len(shape) >= 2 and 2 * shape[-1] <= spec.block_size:
+      rows = spec.block_size // shape[-1]
+    return Layout("block", spec.block_size, rows)
+  return Layout(spec.normalization, 0, 1)
+
+
+def scale_shapes(layout: Layout, shape: tuple) -> tuple:
+  """Shapes of the scale arrays for a tensor of ``shape``."""
+  ndim = len(shape)
+  if layout.normalization == "tensor":
+    return ((1,) * ndim,)
+  if layout.normalization == "rank1":
+    return tuple(tuple(n if k == axis else 1 for k, n in enumerate(shape))
+                 for axis in range(ndim))
+  if layout.rows_per_block > 1:
+    return (shape[:-2] + (math.ceil(shape[-2] / layout.rows_per_block), 1),)
+  return (shape[:-1] + (math.ceil(shape[-1] / layout.block_size),),)
+
+
+def finite_abs(x: jax.Array) -> jax.Array:
+  """|x| with non-finite entries replaced by 0, for maxima."""
+  return jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
+
+
+def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  size = x.shape[axis]
+  extra = -size % multiple
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def compute_scales(abs_x: jax.Array, layout: Layout) -> tuple:
+  """The scale arrays of ``abs_x`` (non-negative, finite) for ``layout``."""
+  ndim = abs_x.ndim
+  if layout.normalization == "tensor":
+    return (jnp.max(abs_x, keepdims=True),)
+  if layout.normalization == "rank1":
+    return tuple(
+        jnp.max(abs_x, axis=tuple(k for k in range(ndim) if k != axis), keepdims=True)
+        for axis in range(ndim))
+  if layout.rows_per_block > 1:
+    g = layout.rows_per_block
+    padded = _pad_axis(abs_x, -2, g)
+    grouped = padded.reshape(padded.shape[:-2] + (padded.shape[-2] // g, g * padded.shape[-1]))
+    return (jnp.max(grouped, axis=-1, keepdims=True),)
+  b = layout.block_size
+  padded = _pad_axis(abs_x, -1, b)
+  blocks = padded.reshape(padded.shape[:-1] + (padded.shape[-1] // b, b))
+  return (jnp.max(blocks, axis=-1),)
+
+
+def expand_scales(scales: tuple, layout: Layout, shape: tuple) -> jax.Array:
+  """Per-element scale, broadcastable to ``shape``."""
+  if layout.normalization == "tensor":
+    return scales[0]
+  if layout.normalization == "rank1":
+    scale = scales[0]
+    for stat in scales[1:]:
+      scale = jnp.minimum(scale, stat)
+    return scale
+  (s,) = scales
+  if layout.rows_per_block > 1:
+    g = layout.rows_per_block
+    rows = jnp.broadcast_to(s[..., None], s.shape[:-1] + (g, 1))
+    return rows.reshape(s.shape[:-2] + (s.shape[-2] * g, 1))[..., :shape[-2], :]
+  b = layout.block_size
+  cols = jnp.broadcast_to(s[..., None], s.shape + (b,))
+  return cols.reshape(s.shape[:-1] + (s.shape[-1] * b,))[..., :shape[-1]]
+
+
+def normalize(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """``x / scale`` with 0 where the scale is 0 and NaN mapped to 0.
+
+  ``+-inf`` stay infinite and clamp to the table's ends when encoded.
+  """
+  positive = scale > 0
+  n = jnp.where(positive, x / jnp.where(positive, scale, np.float32(1)), np.float32(0))
+  return jnp.where(jnp.isnan(n), np.float32(0), n)
