@@ -1,16 +1,53 @@
 """optax4bit: optax optimizers whose moments are stored in 4 bits.
 
 After "Memory Efficient Optimizers with 4-bit States" (Li, Chen, Zhu, 2023).
+
+Example:
+  >>> import jax.numpy as jnp, optax, optax4bit
+  >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax4bit.adamw_4bit(1e-3))
+  >>> state = tx.init({"w": jnp.zeros((256, 256))})
 """
 
-from optax4bit.quant import QuantSpec, QuantizedArray, dequantize, qmap, quantize
+from optax4bit.alias import (
+    adam_4bit,
+    adamw_4bit,
+    adamw_4bit_factor,
+    adamw_8bit,
+    inject_hyperparams,
+    sgdm_4bit,
+)
+from optax4bit.quant import QuantizedArray, QuantSpec, dequantize, qmap, quantize
+from optax4bit.transform import (
+    FactoredMoment,
+    ScaleByAdam4bitState,
+    ScaleByFactoredAdam4bitState,
+    ScaleByMomentum4bitState,
+    scale_by_adam_4bit,
+    scale_by_factored_adam_4bit,
+    scale_by_momentum_4bit,
+    state_nbytes,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FactoredMoment",
     "QuantSpec",
     "QuantizedArray",
+    "ScaleByAdam4bitState",
+    "ScaleByFactoredAdam4bitState",
+    "ScaleByMomentum4bitState",
+    "adam_4bit",
+    "adamw_4bit",
+    "adamw_4bit_factor",
+    "adamw_8bit",
     "dequantize",
+    "inject_hyperparams",
     "qmap",
     "quantize",
+    "scale_by_adam_4bit",
+    "scale_by_factored_adam_4bit",
+    "scale_by_momentum_4bit",
+    "sgdm_4bit",
+    "state_nbytes",
 ]

@@ -75,7 +75,7 @@ def encode(x: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.Layou
            uniform: Optional[jax.Array] = None) -> jax.Array:
   """Packed codes of float32 ``x`` under given scales (``uniform`` draws for
   stochastic rounding)."""
-  n = normalize.normalize(x, normalize.expand_scales(scales, layout, x.shape))
+  n = normalize.normalize(x, scales, layout)
   if spec.stochastic:
     codes = maps.encode_stochastic(n, uniform, spec.mapping, spec.bits, spec.signed)
   else:

@@ -1,0 +1,510 @@
+"""`scale_by_*` gradient transformations whose moments are stored quantized."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax4bit import _leafwise
+from optax4bit.quant import array as qarray
+from optax4bit.quant.array import QuantizedArray
+from optax4bit.quant.spec import QuantSpec, SpecLike, as_spec
+
+__all__ = [
+    "FactoredMoment",
+    "ScaleByAdam4bitState",
+    "ScaleByFactoredAdam4bitState",
+    "ScaleByMomentum4bitState",
+    "scale_by_adam_4bit",
+    "scale_by_factored_adam_4bit",
+    "scale_by_momentum_4bit",
+    "state_nbytes",
+]
+
+DEFAULT_MIN_QUANTIZE_SIZE = 4096
+MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
+
+
+class ScaleByAdam4bitState(NamedTuple):
+  """State of `scale_by_adam_4bit`: like ``optax.ScaleByAdamState``, with each
+  moment leaf a `QuantizedArray` or, for leaves kept in full precision, a
+  float32 array."""
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+class FactoredMoment(NamedTuple):
+  """Adafactor-style second moment of a tensor with ndim >= 2: EMAs of the
+  mean of ``g**2`` over the last axis (``row``, shape ``(..., r, 1)``) and over
+  the second-to-last axis (``col``, shape ``(..., 1, c)``)."""
+  row: jax.Array
+  col: jax.Array
+
+
+class ScaleByFactoredAdam4bitState(NamedTuple):
+  """State of `scale_by_factored_adam_4bit`: ``nu`` leaves are
+  `FactoredMoment` for quantized leaves with ndim >= 2."""
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+class ScaleByMomentum4bitState(NamedTuple):
+  """State of `scale_by_momentum_4bit`: the momentum ``trace`` (quantized
+  per leaf) and a step ``count`` that keys stochastic rounding."""
+  count: jax.Array
+  trace: optax.Updates
+
+
+# ----------------------------------------------------------------------------
+# Validation helpers.
+
+
+def _is_static_number(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_hyperparam(name: str, value, *, low=None, high=None, low_open=False,
+                     high_open=False) -> None:
+  """Raises ValueError for a Python number outside its range; arrays,
+  tracers and schedules are not checked (they may be injected)."""
+  if not _is_static_number(value):
+    return
+  v = float(value)
+  bad = not np.isfinite(v)
+  if low is not None:
+    bad |= v <= low if low_open else v < low
+  if high is not None:
+    bad |= v >= high if high_open else v > high
+  if bad:
+    lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
+    hi = "" if high is None else f"{high}" + (")" if high_open else "]")
+    raise ValueError(f"{name} must be in {lo or '(-inf'}, {hi or 'inf)'}, got {value!r}.")
+
+
+def check_static_int(name: str, value, *, minimum: int = 0) -> int:
+  if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, jax.core.Tracer):
+    if value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
+      value = int(value)
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    hint = ""
+    if isinstance(value, jax.Array):
+      hint = (" It was passed as an array, as optax.inject_hyperparams does with every "
+              "number: use optax4bit.inject_hyperparams, or pass "
+              f"static_args=({name!r},).")
+    raise ValueError(f"{name} must be a Python int, got {value!r}.{hint}")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+  return int(value)
+
+
+def _resolve_mask(mask: MaskOrFn, params, argname: str) -> list:
+  """Flat list of bools, one per params leaf (prefix masks broadcast)."""
+  leaves, treedef = jax.tree.flatten(params)
+  if mask is None:
+    return [True] * len(leaves)
+  tree = mask(params) if callable(mask) else mask
+  try:
+    full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), tree, params)
+    flags = treedef.flatten_up_to(full)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{argname} must be a pytree of bools with the structure of the params "
+                     f"(or a prefix of it), or a callable returning one: {e}") from None
+  for flag in flags:
+    if not isinstance(flag, (bool, np.bool_)):
+      raise ValueError(f"{argname} must hold Python bools, got {flag!r} ({type(flag).__name__}).")
+  return [bool(f) for f in flags]
+
+
+def _quantizable(leaf, eligible: bool, min_quantize_size: int) -> bool:
+  return (eligible and hasattr(leaf, "shape") and len(leaf.shape) >= 1
+          and jnp.issubdtype(leaf.dtype, jnp.floating)
+          and int(np.prod(leaf.shape)) > min_quantize_size)
+
+
+def _flatten_like(updates, trees: dict) -> tuple:
+  """Flattens ``updates`` and each state tree up to its structure, with clear
+  errors when they do not match."""
+  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  flat = {}
+  for name, tree in trees.items():
+    try:
+      flat[name] = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"the updates do not have the structure of the optimizer state's {name!r} (the params "
+          f"given to init): {e}") from None
+  for i, (path, g) in enumerate(paths_and_leaves):
+    for name, leaves in flat.items():
+      shape = getattr(leaves[i], "shape", None)
+      if isinstance(leaves[i], FactoredMoment):
+        shape = leaves[i].row.shape[:-1] + leaves[i].col.shape[-1:]
+      if shape is not None and tuple(shape) != tuple(g.shape):
+        raise ValueError(
+            f"update at {jax.tree_util.keystr(path)} has shape {tuple(g.shape)} but the optimizer "
+            f"state's {name!r} there has shape {tuple(shape)}.")
+  return [g for _, g in paths_and_leaves], treedef, flat
+
+
+def _leaf_keys(seed, count, num_leaves: int, num_moments: int, stochastic: bool):
+  if not stochastic:
+    return [(None,) * num_moments] * num_leaves
+  base = jax.random.fold_in(jax.random.key(seed), count)
+  return [tuple(jax.random.fold_in(jax.random.fold_in(base, leaf), m) for m in range(num_moments))
+          for leaf in range(num_leaves)]
+
+
+def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=jnp.float32):
+  if spec is None:
+    return jnp.zeros(leaf.shape, dtype)
+  return qarray.zeros(tuple(leaf.shape), jnp.float32, spec)
+
+
+def _chunk_size(chunk_size) -> int:
+  if chunk_size is None:
+    return _leafwise.DEFAULT_CHUNK_SIZE
+  return check_static_int("chunk_size", chunk_size, minimum=1)
+
+
+_QUANT_ARGS_DOC = """first_moment: quantizer of the first moment: a name such as ``"B128/DE"``
+      (signed) or a `QuantSpec`.
+    min_quantize_size: leaves with at most this many elements keep float32
+      moments (the paper's rule, 4096).
+    quantize_mask: a pytree of bools like the params (or a prefix of it), or a
+      callable of the params returning one; ``False`` leaves keep float32
+      moments (e.g. embeddings or norms).
+    seed: seeds stochastic rounding (only used if a spec has
+      ``stochastic=True``); the key of a step is derived from it and the step
+      count, so runs are reproducible.
+    chunk_size: leaves larger than this many elements are updated in chunks
+      of rows, bounding the transient memory of the update (default 2**20)."""
+
+
+# ----------------------------------------------------------------------------
+# Adam.
+
+
+def scale_by_adam_4bit(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nesterov: bool = False,
+    first_moment: SpecLike = "B128/DE",
+    second_moment: SpecLike = "Rank-1/Linear",
+    min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
+    quantize_mask: MaskOrFn = None,
+    seed: int = 0,
+    chunk_size: Optional[int] = None,
+) -> optax.GradientTransformation:
+  """Rescales updates by the Adam rule with both moments stored quantized.
+
+  The same computation as ``optax.scale_by_adam``: each step decodes the
+  moments, runs the exact float32 update, and encodes the new moments; the
+  update itself uses the precise new moments. Math is float32 whatever the
+  parameter dtype; updates come back in the gradient's dtype.
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: term added to the denominator outside the square root.
+    eps_root: term added to the second moment inside the square root.
+    mu_dtype: dtype of first moments kept unquantized (default float32).
+    nesterov: use Nesterov momentum, as in ``optax.scale_by_adam``.
+    second_moment: quantizer of the second moment (unsigned), default
+      ``"Rank-1/Linear"``; a map with a zero code (``"B128/DE"``) shows the
+      paper's zero-point problem.
+    {quant_args}
+
+  Returns:
+    An ``optax.GradientTransformation`` with `ScaleByAdam4bitState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax4bit
+    >>> tx = optax.chain(optax4bit.scale_by_adam_4bit(min_quantize_size=0),
+    ...                  optax.scale(-1e-3))
+    >>> params = {{"w": jnp.ones((256, 256))}}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({{"w": jnp.full((256, 256), 0.5)}}, state)
+    >>> round(float(updates["w"][0, 0]), 6)
+    -0.001
+  """
+  check_hyperparam("b1", b1, low=0, high=1, high_open=True)
+  check_hyperparam("b2", b2, low=0, high=1, high_open=True)
+  check_hyperparam("eps", eps, low=0)
+  check_hyperparam("eps_root", eps_root, low=0)
+  m_spec = as_spec(first_moment, argname="first_moment", signed=True)
+  v_spec = as_spec(second_moment, argname="second_moment", signed=False)
+  min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
+  chunk = _chunk_size(chunk_size)
+  mu_dtype = jnp.float32 if mu_dtype is None else jnp.dtype(mu_dtype)
+  stochastic = m_spec.stochastic or v_spec.stochastic
+
+  def init_fn(params):
+    flags = _resolve_mask(quantize_mask, params, "quantize_mask")
+    leaves, treedef = jax.tree.flatten(params)
+    quantized = [_quantizable(p, f, min_quantize_size) for p, f in zip(leaves, flags)]
+    mu = [_zeros_moment(p, m_spec if q else None, mu_dtype) for p, q in zip(leaves, quantized)]
+    nu = [_zeros_moment(p, v_spec if q else None) for p, q in zip(leaves, quantized)]
+    return ScaleByAdam4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(mu),
+                                treedef.unflatten(nu))
+
+  def update_fn(updates, state, params=None):
+    del params
+    grads, treedef, flat = _flatten_like(updates, {"mu": state.mu, "nu": state.nu})
+    count_inc = optax.safe_increment(state.count)
+    step = adam_step(b1, b2, eps, eps_root, count_inc, nesterov)
+    keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
+
+    def leaf_fn(g, m, v, k):
+      return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk)
+
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
+    new_updates = treedef.unflatten([u for u, _ in results])
+    mu = treedef.unflatten([m for _, (m, _) in results])
+    nu = treedef.unflatten([v for _, (_, v) in results])
+    return new_updates, ScaleByAdam4bitState(count_inc, mu, nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adam_step(b1, b2, eps, eps_root, count_inc, nesterov):
+  """The elementwise Adam step, arranged exactly as ``optax.scale_by_adam``."""
+  correction1 = 1 - b1**count_inc
+  correction2 = 1 - b2**count_inc
+  correction1_next = 1 - b1**optax.safe_increment(count_inc)
+
+  def step(g, old, side):
+    del side
+    m, v = old
+    m = (1 - b1) * g + b1 * m
+    v = (1 - b2) * (g * g) + b2 * v
+    if nesterov:
+      m_hat = b1 * (m / correction1_next.astype(m.dtype)) + (1 - b1) * (
+          g / correction1.astype(g.dtype))
+    else:
+      m_hat = m / correction1.astype(m.dtype)
+    v_hat = v / correction2.astype(v.dtype)
+    return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m, v)
+
+  return step
+
+
+scale_by_adam_4bit.__doc__ = scale_by_adam_4bit.__doc__.format(quant_args=_QUANT_ARGS_DOC)
+
+
+# ----------------------------------------------------------------------------
+# Adam with a factored second moment ("4-bit Factor").
+
+
+def _factored_second_moment(g32, old: FactoredMoment, b2):
+  g2 = g32 * g32
+  row = b2 * old.row + (1 - b2) * jnp.mean(g2, axis=-1, keepdims=True)
+  col = b2 * old.col + (1 - b2) * jnp.mean(g2, axis=-2, keepdims=True)
+  return FactoredMoment(row, col)
+
+
+def scale_by_factored_adam_4bit(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    first_moment: SpecLike = "B128/DE",
+    second_moment: SpecLike = "Rank-1/Linear",
+    min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
+    quantize_mask: MaskOrFn = None,
+    seed: int = 0,
+    chunk_size: Optional[int] = None,
+) -> optax.GradientTransformation:
+  """Adam with a quantized first moment and a factored second moment.
+
+  The paper's "4-bit Factor". For quantized leaves with ndim >= 2 the second
+  moment is Adafactor-style: EMAs of the row means and column means of
+  ``g**2`` over the last two axes (a `FactoredMoment`, float32, a few bytes
+  per row and column), rebuilt as ``outer(row, col) / mean(row)`` (0 where
+  the row factors are all 0). Quantized 1-D leaves store the second moment
+  with ``second_moment``; leaves kept in full precision have float32 ``mu``
+  and ``nu`` and follow Adam exactly.
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment (and of its factors).
+    eps: term added to the denominator outside the square root.
+    eps_root: term added to the second moment inside the square root.
+    second_moment: quantizer of the second moment of 1-D leaves.
+    {quant_args}
+
+  Returns:
+    An ``optax.GradientTransformation`` with `ScaleByFactoredAdam4bitState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax4bit
+    >>> tx = optax4bit.scale_by_factored_adam_4bit(min_quantize_size=0)
+    >>> state = tx.init({{"w": jnp.ones((64, 32))}})
+    >>> state.nu["w"].row.shape, state.nu["w"].col.shape
+    ((64, 1), (1, 32))
+  """
+  check_hyperparam("b1", b1, low=0, high=1, high_open=True)
+  check_hyperparam("b2", b2, low=0, high=1, high_open=True)
+  check_hyperparam("eps", eps, low=0)
+  check_hyperparam("eps_root", eps_root, low=0)
+  m_spec = as_spec(first_moment, argname="first_moment", signed=True)
+  v_spec = as_spec(second_moment, argname="second_moment", signed=False)
+  min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
+  chunk = _chunk_size(chunk_size)
+  stochastic = m_spec.stochastic or v_spec.stochastic
+
+  def init_fn(params):
+    flags = _resolve_mask(quantize_mask, params, "quantize_mask")
+    leaves, treedef = jax.tree.flatten(params)
+    mu, nu = [], []
+    for p, flag in zip(leaves, flags):
+      quantized = _quantizable(p, flag, min_quantize_size)
+      mu.append(_zeros_moment(p, m_spec if quantized else None))
+      if quantized and len(p.shape) >= 2:
+        nu.append(FactoredMoment(jnp.zeros(p.shape[:-1] + (1,), jnp.float32),
+                                 jnp.zeros(p.shape[:-2] + (1,) + p.shape[-1:], jnp.float32)))
+      else:
+        nu.append(_zeros_moment(p, v_spec if quantized else None))
+    return ScaleByFactoredAdam4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(mu),
+                                        treedef.unflatten(nu))
+
+  def update_fn(updates, state, params=None):
+    del params
+    grads, treedef, flat = _flatten_like(updates, {"mu": state.mu, "nu": state.nu})
+    count_inc = optax.safe_increment(state.count)
+    adam = adam_step(b1, b2, eps, eps_root, count_inc, False)
+    correction1 = 1 - b1**count_inc
+    correction2 = 1 - b2**count_inc
+    keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
+
+    def factored_step(g, old, side):
+      (m,) = old
+      row, col, row_mean = side
+      m = (1 - b1) * g + b1 * m
+      positive = row_mean > 0
+      v = jnp.where(positive, row * col / jnp.where(positive, row_mean, 1), 0)
+      m_hat = m / correction1.astype(m.dtype)
+      v_hat = v / correction2.astype(v.dtype)
+      return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m,)
+
+    def leaf_fn(g, m, v, k):
+      if not isinstance(v, FactoredMoment):
+        return _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk)
+      v = _factored_second_moment(g.astype(jnp.float32), v, b2)
+      side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
+      update, (m,) = _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
+                                           chunk_size=chunk)
+      return update, (m, v)
+
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
+    new_updates = treedef.unflatten([u for u, _ in results])
+    mu = treedef.unflatten([m for _, (m, _) in results])
+    nu = treedef.unflatten([v for _, (_, v) in results])
+    return new_updates, ScaleByFactoredAdam4bitState(count_inc, mu, nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+scale_by_factored_adam_4bit.__doc__ = scale_by_factored_adam_4bit.__doc__.format(
+    quant_args=_QUANT_ARGS_DOC)
+
+
+# ----------------------------------------------------------------------------
+# Momentum.
+
+
+def scale_by_momentum_4bit(
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    *,
+    first_moment: SpecLike = "B128/DE",
+    min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
+    quantize_mask: MaskOrFn = None,
+    seed: int = 0,
+    chunk_size: Optional[int] = None,
+) -> optax.GradientTransformation:
+  """Heavy-ball momentum (``optax.trace``) with a quantized buffer.
+
+  ``trace = g + momentum * trace``; the update is ``trace`` (or
+  ``g + momentum * trace`` with ``nesterov``), as in ``optax.trace``.
+
+  Args:
+    momentum: the decay of the trace.
+    nesterov: Nesterov momentum.
+    {quant_args}
+
+  Returns:
+    An ``optax.GradientTransformation`` with `ScaleByMomentum4bitState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax4bit
+    >>> tx = optax4bit.scale_by_momentum_4bit(0.9, min_quantize_size=0)
+    >>> state = tx.init({{"w": jnp.zeros((8, 128))}})
+    >>> updates, state = tx.update({{"w": jnp.ones((8, 128))}}, state)
+    >>> float(updates["w"][0, 0])
+    1.0
+  """
+  check_hyperparam("momentum", momentum, low=0, high=1, high_open=True)
+  spec = as_spec(first_moment, argname="first_moment", signed=True)
+  min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
+  chunk = _chunk_size(chunk_size)
+
+  def init_fn(params):
+    flags = _resolve_mask(quantize_mask, params, "quantize_mask")
+    leaves, treedef = jax.tree.flatten(params)
+    trace = [_zeros_moment(p, spec if _quantizable(p, f, min_quantize_size) else None)
+             for p, f in zip(leaves, flags)]
+    return ScaleByMomentum4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(trace))
+
+  def update_fn(updates, state, params=None):
+    del params
+    grads, treedef, flat = _flatten_like(updates, {"trace": state.trace})
+    count_inc = optax.safe_increment(state.count)
+    keys = _leaf_keys(seed, count_inc, len(grads), 1, spec.stochastic)
+
+    def step(g, old, side):
+      del side
+      (t,) = old
+      t = g + momentum * t
+      return (g + momentum * t if nesterov else t), (t,)
+
+    def leaf_fn(g, t, k):
+      return _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk)
+
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys)
+    new_updates = treedef.unflatten([u for u, _ in results])
+    trace = treedef.unflatten([t for _, (t,) in results])
+    return new_updates, ScaleByMomentum4bitState(count_inc, trace)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+scale_by_momentum_4bit.__doc__ = scale_by_momentum_4bit.__doc__.format(
+    quant_args=_QUANT_ARGS_DOC)
+
+
+# ----------------------------------------------------------------------------
+
+
+def state_nbytes(state) -> int:
+  """Bytes an optimizer state really stores (codes, scales, full-precision
+  moments, counters), for arrays or ``jax.ShapeDtypeStruct`` leaves.
+
+  Example:
+    >>> import jax.numpy as jnp, optax4bit
+    >>> tx = optax4bit.adamw_4bit(1e-3)
+    >>> optax4bit.state_nbytes(tx.init({"w": jnp.zeros((1024, 1024))})) / 1024**2
+    1.0...
+  """
+  return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
+                 for x in jax.tree.leaves(state) if hasattr(x, "dtype")))
