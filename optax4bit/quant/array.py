@@ -109,7 +109,9 @@ def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None) -
   rounded stochastically if ``spec.stochastic``. Non-finite inputs never crash
   and never spread: scales are maxima over the finite values only, ``NaN``
   encodes as 0 (the table's smallest entry for zero-free maps) and ``+-inf``
-  as the table's ends (``+-scale``). An all-zero block or row has scale 0 and
+  as the table's ends (``+inf`` as ``scale``; ``-inf`` as the lowest entry
+  times the scale, ``-0.8875 * scale`` for the signed 4-bit DE table). A
+  block, row or column without a finite non-zero value has scale 0 and
   dequantizes to exact zeros. Unsigned maps clamp negative inputs to their
   smallest entry.
 
@@ -164,7 +166,8 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
 def zeros(shape: tuple, dtype, spec: QuantSpec) -> QuantizedArray:
   """The quantized all-zero tensor, built without encoding anything."""
   layout = normalize.layout_for(spec, shape)
-  zero_code = int(maps.encode_nearest(jnp.zeros(()), spec.mapping, spec.bits, spec.signed))
+  # Static: the nearest entry to 0, the lowest index on a tie (jnp would trace).
+  zero_code = int(np.argmin(np.abs(maps.qmap(spec.mapping, spec.bits, spec.signed))))
   byte = zero_code | (zero_code << 4) if spec.bits == 4 else zero_code
   codes_shape = tuple(shape[:-1]) + (packing.packed_length(shape[-1], spec.bits),)
   codes = jnp.full(codes_shape, byte, jnp.uint8)

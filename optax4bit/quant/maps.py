@@ -128,8 +128,11 @@ def count_above(x: jax.Array, bounds: np.ndarray, *, inclusive: bool = False) ->
       count = count + bit.astype(jnp.int32) * (2 ** (num_levels - 1 - level))
     return count
   padded = jnp.asarray(np.append(bounds, np.float32(np.inf)))
-  count = jnp.zeros(x.shape, jnp.int32)
-  for level in range(num_levels):
+  # The first level compares against one constant: a gather at an all-zero
+  # index would be constant-folded by XLA into a constant as large as x.
+  top = 2 ** (num_levels - 1)
+  count = jnp.where(compare(x, bounds[top - 1]), np.int32(top), np.int32(0))
+  for level in range(1, num_levels):
     step = 2 ** (num_levels - 1 - level)
     count = jnp.where(compare(x, padded[count + step - 1]), count + step, count)
   return count

@@ -135,6 +135,22 @@ def normalize(x: jax.Array, scales: tuple, layout: Layout) -> jax.Array:
   get 0 (``+-inf`` there gives NaN, hence 0); elsewhere ``+-inf`` stay
   infinite and clamp to the table's ends when encoded.
   """
-  inverse = _expand(inverse_scales(scales), layout, x.shape, jnp.maximum)
-  n = x * inverse
+  inverse = _expand(_inverse_times_4(scales), layout, x.shape, jnp.maximum)
+  n = (x * inverse) * np.float32(0.25)
   return jnp.where(jnp.isnan(n), np.float32(0), n)
+
+
+def _inverse_times_4(scales: tuple) -> tuple:
+  """``4 / scale`` (0 where the scale is 0), for `normalize`.
+
+  For a scale above 2**126 the plain reciprocal is subnormal, and XLA's CPU
+  backend flushes subnormals to zero: every element of such a block would
+  normalize to 0. ``4 / scale`` is normal for every finite scale (clamped to
+  the float32 maximum for the one scale 2**-126, where it would overflow), and
+  ``(x * (4 / scale)) * 0.25`` is bit-identical to ``x * (1 / scale)`` wherever
+  that reciprocal is normal.
+  """
+  big = np.float32(np.finfo(np.float32).max)
+  return tuple(
+      jnp.where(s > 0, jnp.minimum(np.float32(4) / jnp.where(s > 0, s, np.float32(1)), big),
+                np.float32(0)) for s in scales)
