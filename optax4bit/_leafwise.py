@@ -21,6 +21,8 @@ decompressed float32 moments exist for one chunk of rows of one leaf at a time:
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -28,11 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit import sharding as _sharding
 from optax4bit.quant import array as qarray
 from optax4bit.quant import normalize
 from optax4bit.quant.array import QuantizedArray
 
-DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_CHUNK_SIZE = 1 << 18
 
 # step_fn(grad_f32, old_moments_f32, side_inputs) -> (update_f32, new_moments_f32)
 StepFn = Callable[[jax.Array, tuple, tuple], tuple]
@@ -49,12 +52,15 @@ def _uniform(key, shape):
   return jax.random.uniform(key, shape, jnp.float32)
 
 
-def encode_moment(value: jax.Array, like, key=None):
-  """Stores float32 ``value`` the way ``like`` (the old moment) is stored."""
+def encode_moment(value: jax.Array, like, key=None, reduce_scales=None):
+  """Stores float32 ``value`` the way ``like`` (the old moment) is stored
+  (``reduce_scales``: see `update_leaf`)."""
   if not isinstance(like, QuantizedArray):
     return value.astype(like.dtype)
   layout = like.layout
   scales = normalize.compute_scales(normalize.finite_abs(value), layout)
+  if reduce_scales is not None:
+    scales = reduce_scales(scales, layout)
   uniform = _uniform(key, value.shape) if like.spec.stochastic else None
   codes = qarray.encode(value, scales, like.spec, layout, uniform)
   return QuantizedArray(codes, scales, like.spec, like.shape, like.dtype)
@@ -132,66 +138,158 @@ def _materialized(tree):
 
 
 def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = (),
-                keys: Optional[tuple] = None, chunk_size: int = DEFAULT_CHUNK_SIZE):
+                keys: Optional[tuple] = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                reduce_scales: Optional[Callable] = None):
   """Runs ``step_fn`` over one leaf; returns ``(update, new_moments)``.
 
+  A leaf whose sharding is known (explicit sharding types, or a concrete
+  sharded array) runs per shard under ``jax.shard_map`` (see
+  `optax4bit.sharding`): the chunks are then local rows, and no state-sized
+  buffer is gathered.
+
   Args:
-    step_fn: elementwise step on float32 chunks (see module docstring).
+    step_fn: elementwise step on float32 chunks (see module docstring). To
+      run per shard it must not close over traced values: pass them as
+      arguments of a ``functools.partial`` (they enter ``shard_map`` as
+      replicated inputs).
     grad: the gradient leaf; the update comes back in its dtype.
     moments: the stored moments, each a `QuantizedArray` or a plain array.
     side: arrays of the leaf's rank broadcastable to it (e.g. factored second
       moments); sliced with the rows when their axis 0 spans the leaf's.
     keys: one PRNG key (or None) per moment, for stochastic rounding.
     chunk_size: elements per chunk; leaves no larger run in one piece.
+    reduce_scales: ``(scales, layout) -> scales``, applied to every newly
+      computed rank-1 or tensor scale of a whole (local) leaf; set per shard
+      to take the maxima over the other shards.
   """
   keys = tuple(keys) if keys is not None else (None,) * len(moments)
+  if reduce_scales is None:
+    sharding = _sharding.leaf_sharding(grad)
+    if sharding is not None:
+      rebuild, consts = _sharding.hoist_partial(step_fn)
+      # The row offset (a traced 0 that orders leaves) enters as a const too.
+      local = functools.partial(_local_update, rebuild, chunk_size)
+      return _sharding.per_shard(local, sharding, grad, moments, side, keys,
+                                 consts + (jnp.asarray(_ROW_OFFSET.get(), jnp.int32),))
   plans = tuple(_plan(m) for m in moments)
   num_rows = grad.shape[0] if grad.ndim else 1
   rows = _chunk_rows(grad.shape, plans, chunk_size) if grad.ndim else num_rows
-  if rows >= num_rows:
+  halves = _chunk_rows(grad.shape, plans, 0) * 2 if grad.ndim else 0
+  if halves and num_rows >= halves:
+    # At least two chunks: XLA turns a one-trip loop into straight-line code
+    # whose update is a fresh buffer, live until the caller applies it.
+    rows = min(rows, num_rows // halves * (halves // 2))
+  elif rows >= num_rows:
     old = tuple(decode_moment(m) for m in moments)
     update, new = _materialized(step_fn(grad.astype(jnp.float32), old, side))
-    new_moments = tuple(encode_moment(v, m, k) for v, m, k in zip(new, moments, keys))
+    new_moments = tuple(encode_moment(v, m, k, reduce_scales)
+                        for v, m, k in zip(new, moments, keys))
     return update.astype(grad.dtype), new_moments
-  return _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows)
+  return _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce_scales)
 
 
-def _decode_chunk(moment, plan: _MomentPlan, buffers, start, rows, row_shape):
-  """float32 old value of rows of a moment, read from the state buffers."""
+def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUNK_SIZE):
+  """Reductions of the gradient taken chunk by chunk, ahead of `update_leaf`.
+
+  Args:
+    grad: the gradient leaf.
+    sums_fn: ``g -> (row_stats, total_stats)`` on a float32 block of rows:
+      ``row_stats`` keep the block's rows on axis 0, ``total_stats`` are sums
+      that add up over blocks (e.g. Adafactor's column sums of ``g**2``).
+    chunk_size: elements per chunk, as in `update_leaf`.
+
+  Returns:
+    ``(grad, row_stats, total_stats)`` for the whole leaf. ``grad`` holds the
+    same values, threaded through the loop: given to `update_leaf`, it can be
+    overwritten in place (reading the original outside a loop would make XLA
+    copy it first).
+  """
+  num_rows = grad.shape[0] if grad.ndim else 1
+  # At least two chunks, for the same reason as in `update_leaf`.
+  rows = min(max(1, chunk_size // max(math.prod(grad.shape[1:]), 1)), -(-num_rows // 2))
+  if grad.ndim == 0 or num_rows < 2 or _sharding.leaf_sharding(grad) is not None:
+    row_stats, totals = sums_fn(grad.astype(jnp.float32))
+    return grad, row_stats, totals
+  offset = _ROW_OFFSET.get()
+  num_chunks = -(-num_rows // rows)
+  row_shape = grad.shape[1:]
+  chunk_shapes = jax.eval_shape(sums_fn, jax.ShapeDtypeStruct((rows,) + row_shape, jnp.float32))
+
+  def body(c, carry):
+    grad_buf, row_stats, totals = carry
+    start = jnp.minimum(c * rows, num_rows - rows)  # the last block overlaps
+    g = _take_rows(grad_buf, offset + start, rows, 1).astype(jnp.float32)
+    chunk_rows, _ = sums_fn(g)
+    fresh = (start + jnp.arange(rows) >= c * rows).reshape((rows,) + (1,) * len(row_shape))
+    _, chunk_totals = sums_fn(jnp.where(fresh, g, 0.0))  # overlap rows counted once
+    row_stats = tuple(_put_rows(acc, r, start, 1) for acc, r in zip(row_stats, chunk_rows))
+    totals = tuple(acc + t for acc, t in zip(totals, chunk_totals))
+    return grad_buf, row_stats, totals
+
+  row_stats = tuple(jnp.zeros((num_rows,) + s.shape[1:], s.dtype) for s in chunk_shapes[0])
+  totals = tuple(jnp.zeros(s.shape, s.dtype) for s in chunk_shapes[1])
+  return jax.lax.fori_loop(0, num_chunks, body, (grad, row_stats, totals))
+
+
+def _local_update(rebuild_step, chunk_size, grad, moments, side, keys, reduce_scales, consts):
+  """`update_leaf` on one shard (see `optax4bit.sharding.per_shard`)."""
+  token = _ROW_OFFSET.set(consts[-1])
+  try:
+    return update_leaf(rebuild_step(consts[:-1]), grad, moments, side, keys, chunk_size,
+                       reduce_scales)
+  finally:
+    _ROW_OFFSET.reset(token)
+
+
+def _slice_chunk(plan: _MomentPlan, buffers, start, rows):
+  """The stored rows of a moment: its codes and per-row scales (global scales
+  whole)."""
   if not plan.quantized:
-    return _take_rows(buffers, start, rows, 1).astype(jnp.float32)
+    return _take_rows(buffers, start, rows, 1)
   codes, scales = buffers
-  chunk_scales = tuple(
-      s if f is None else _take_rows(s, start, rows, f)
-      for s, f in zip(scales, plan.scale_factors))
+  return (_take_rows(codes, start, rows, plan.codes_factor),
+          tuple(s if f is None else _take_rows(s, start, rows, f)
+                for s, f in zip(scales, plan.scale_factors)))
+
+
+def _decode_chunk(moment, plan: _MomentPlan, chunk, rows, row_shape):
+  """float32 old value of rows of a moment from `_slice_chunk`'s output."""
+  if not plan.quantized:
+    return chunk.astype(jnp.float32)
+  codes, scales = chunk
   shape = (rows,) + row_shape
-  layout = normalize.layout_for(moment.spec, shape)
-  return qarray.decode(_take_rows(codes, start, rows, plan.codes_factor), chunk_scales,
-                       moment.spec, layout, shape)
+  return qarray.decode(codes, scales, moment.spec, normalize.layout_for(moment.spec, shape),
+                       shape)
 
 
-def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows):
+def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce_scales=None):
   num_rows, row_shape = grad.shape[0], grad.shape[1:]
   num_full = num_rows // rows
   tail = num_rows - num_full * rows
+  align = _chunk_rows(grad.shape, plans, 0)
+  offset = _ROW_OFFSET.get()  # a runtime 0 that orders leaves (sequential_map)
 
   def chunk_key(i, chunk_index):
     return None if keys[i] is None else jax.random.fold_in(keys[i], chunk_index)
 
-  def run_step(buffers, start, size):
-    g = _take_rows(grad, start, size, 1).astype(jnp.float32)
-    old = tuple(_decode_chunk(m, p, b, start, size, row_shape)
+  def run_step(grad_rows, buffers, start, size):
+    """The step on a chunk, unmaterialized: callers materialize what they use
+    (a barrier around all outputs would keep XLA from dropping the unused)."""
+    g = _take_rows(grad_rows, start, size, 1).astype(jnp.float32)
+    old = tuple(_decode_chunk(m, p, _slice_chunk(p, b, start, size), size, row_shape)
                 for m, p, b in zip(moments, plans, buffers))
-    return _materialized(step_fn(g, old, _chunk_side(side, num_rows, start, size)))
+    return step_fn(g, old, _chunk_side(side, num_rows, start, size))
 
   def chunk_layout(moment, size):
     return normalize.layout_for(moment.spec, (size,) + row_shape)
 
   # Pass 1 (rank-1 and tensor scales only): the maxima of the new moments.
   # Nothing is written, so pass 2 still reads every old moment intact.
-  def stats_pass(start, size, chunk_index, new_global):
+  def stats_pass(start, size, chunk_index, carry):
     del chunk_index
-    _, new = run_step(buffers, start, size)
+    grad_buf, bufs, new_global = carry
+    _, new = run_step(grad_buf, bufs, start, size)
+    new = _materialized(tuple(v if p.needs_second_pass else None for v, p in zip(new, plans)))
     new_global = list(new_global)
     for i, (moment, plan) in enumerate(zip(moments, plans)):
       if not plan.needs_second_pass:
@@ -201,17 +299,18 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows):
       new_global[i] = tuple(
           jnp.maximum(acc, s) if f is None else _put_rows(acc, s, start, f)
           for s, acc, f in zip(chunk_scales, new_global[i], plan.scale_factors))
-    return tuple(new_global)
+    return grad_buf, bufs, tuple(new_global)
 
-  # Pass 2: the step; each chunk of every moment is read, then overwritten.
-  def apply_pass(start, size, chunk_index, carry):
-    update_buf, bufs = carry
-    update, new = run_step(bufs, start, size)
-    update_buf = _put_rows(update_buf, update, start, 1)
-    bufs = list(bufs)
+  # Pass 2: the step. The update goes where the gradient was and each moment
+  # chunk where it was read from. A chunk's results are written one iteration
+  # later, after the next chunk is computed: a write fused with the reads of
+  # the same buffer makes XLA copy the whole buffer to update it in place.
+  def compute_chunk(grad_buf, bufs, start, size, chunk_index):
+    update, new = _materialized(run_step(grad_buf, bufs, start, size))
+    out = []
     for i, (moment, plan) in enumerate(zip(moments, plans)):
       if not plan.quantized:
-        bufs[i] = _put_rows(bufs[i], new[i], start, 1)
+        out.append(new[i])
         continue
       layout = chunk_layout(moment, size)
       if plan.needs_second_pass:
@@ -222,25 +321,99 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows):
       uniform = (_uniform(chunk_key(i, chunk_index), new[i].shape)
                  if moment.spec.stochastic else None)
       codes = qarray.encode(new[i], chunk_scales, moment.spec, layout, uniform)
-      codes_buf, scales_buf = bufs[i]
-      if not plan.needs_second_pass:  # old global scales stay until the end
-        scales_buf = tuple(_put_rows(s, c, start, f)
-                           for s, c, f in zip(scales_buf, chunk_scales, plan.scale_factors))
-      bufs[i] = (_put_rows(codes_buf, codes, start, plan.codes_factor), scales_buf)
-    return update_buf, tuple(bufs)
+      local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
+      out.append((codes, local))
+    return update.astype(grad.dtype), tuple(out)
 
-  def run_pass(body, carry):
-    carry = jax.lax.fori_loop(0, num_full, lambda c, cr: body(c * rows, rows, c, cr), carry)
+  def write_chunk(grad_buf, bufs, results, start):
+    update, out = results
+    grad_buf = _put_rows(grad_buf, update, start, 1)
+    bufs = list(bufs)
+    for i, plan in enumerate(plans):
+      if not plan.quantized:
+        bufs[i] = _put_rows(bufs[i], out[i], start, 1)
+        continue
+      codes, local = out[i]
+      codes_buf, scales_buf = bufs[i]
+      if local:
+        scales_buf = tuple(_put_rows(s, c, start, f)
+                           for s, c, f in zip(scales_buf, local, plan.scale_factors))
+      bufs[i] = (_put_rows(codes_buf, codes, start, plan.codes_factor), scales_buf)
+    return grad_buf, tuple(bufs)
+
+  def read_stored(grad_buf, bufs, start, size):
+    """What `write_chunk` would write, read back: a no-op first write."""
+    out = []
+    for plan, b in zip(plans, bufs):
+      chunk = _slice_chunk(plan, b, start, size)
+      if plan.quantized:
+        codes, scales = chunk
+        chunk = (codes, () if plan.needs_second_pass else scales)
+      out.append(chunk)
+    return _take_rows(grad_buf, start, size, 1), tuple(out)
+
+  def apply_body(c, carry):
+    grad_buf, bufs, pending, tail_results = carry
+    grad_buf, bufs = write_chunk(grad_buf, bufs, pending, jnp.maximum(c - 1, 0) * rows)
+    return grad_buf, bufs, compute_chunk(grad_buf, bufs, c * rows, rows, c), tail_results
+
+  # Chunk c covers rows [start(c), start(c) + rows). Where alignment allows,
+  # the last chunk starts at num_rows - rows and overlaps the one before it
+  # (which recomputes identical results for the overlap); otherwise a ragged
+  # tail is handled on its own.
+  overlap_last = num_full * rows < num_rows and (num_rows - rows) % align == 0
+  num_chunks = num_full + int(overlap_last)
+  tail = 0 if overlap_last else tail
+
+  def chunk_start(c):
+    return offset + (jnp.minimum(c * rows, num_rows - rows) if overlap_last else c * rows)
+
+  def run_stats(carry):
+    carry = jax.lax.fori_loop(
+        0, num_chunks, lambda c, cr: stats_pass(chunk_start(c), rows, c, cr), carry)
     if tail:
-      carry = body(num_full * rows, tail, num_full, carry)
+      carry = stats_pass(offset + num_full * rows, tail, num_full, carry)
     return carry
 
   buffers = tuple((m.codes, m.scales) if p.quantized else m for m, p in zip(moments, plans))
   new_global = tuple(tuple(jnp.zeros_like(s) for s in m.scales) if p.needs_second_pass else ()
                      for m, p in zip(moments, plans))
+  grad_buf = grad
   if any(p.needs_second_pass for p in plans):
-    new_global = run_pass(stats_pass, new_global)
-  update_buf, buffers = run_pass(apply_pass, (jnp.zeros(grad.shape, grad.dtype), buffers))
+    # The gradient and state buffers ride through the stats loop unchanged:
+    # read through its carry, XLA can then let the apply loop overwrite them
+    # in place instead of copying them first.
+    grad_buf, buffers, new_global = run_stats((grad_buf, buffers, new_global))
+    if reduce_scales is not None:
+      new_global = tuple(reduce_scales(g, m.layout) if p.needs_second_pass else g
+                         for g, m, p in zip(new_global, moments, plans))
+
+  # Results of chunk c are written at iteration c + 2, before chunk c + 2 is
+  # read: writes never share a fusion with reads of the same buffer (else XLA
+  # copies the whole buffer), and the overlapping last chunk still reads the
+  # old rows of the chunk before it. The loop runs two extra iterations that
+  # only write, so no results outlive it (XLA's scheduler does not keep the
+  # leaves in order, and pending results would pile up across leaves).
+  def apply_body(c, carry):
+    grad_buf, bufs, (older, newer), tail_results = carry
+    grad_buf, bufs = write_chunk(grad_buf, bufs, older, chunk_start(jnp.maximum(c - 2, 0)))
+    results = jax.lax.cond(
+        c < num_chunks, lambda: compute_chunk(grad_buf, bufs, chunk_start(c), rows, c),
+        lambda: newer)
+    return grad_buf, bufs, (newer, results), tail_results
+
+  # A ragged tail is computed first (the loop carries its results, so its
+  # reads come before any write) and written last.
+  tail_results = (compute_chunk(grad_buf, buffers, offset + num_full * rows, tail, num_full)
+                  if tail else ())
+  stored = read_stored(grad_buf, buffers, chunk_start(0), rows)  # no-op writes for c < 2
+  carry = (grad_buf, buffers, (stored, stored), tail_results)
+  grad_buf, buffers, _, tail_results = jax.lax.fori_loop(
+      0, num_chunks + 2, apply_body, carry)
+  if tail:
+    grad_buf, buffers = write_chunk(grad_buf, buffers, tail_results, offset + num_full * rows)
+  # Unfused from what the caller does next, the last writes stay in place.
+  update_buf, buffers = _materialized((grad_buf, buffers))
   new_moments = []
   for moment, plan, buf, glob in zip(moments, plans, buffers, new_global):
     if not plan.quantized:
@@ -252,15 +425,39 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows):
   return update_buf, tuple(new_moments)
 
 
+def _zero_after(tree) -> jax.Array:
+  """An int32 0 that XLA cannot compute before ``tree``'s first array leaf:
+  the sign bit of its first element shifted out (``(u >> 31) >> 1``, which
+  XLA does not fold)."""
+  first = jax.tree.leaves(tree)[0]
+  if _sharding.leaf_sharding(first) is not None:
+    # Explicit sharding forbids picking one element of a sharded axis: use the
+    # maximum of the smallest array (a scale vector; a scalar all-reduce).
+    value = jnp.max(min(jax.tree.leaves(tree), key=lambda x: x.size))
+  else:
+    value = first.reshape(-1)[0]
+  word = jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.uint32)
+  return jax.lax.shift_right_logical(
+      jax.lax.shift_right_logical(word, np.uint32(31)), np.uint32(1)).astype(jnp.int32)
+
+
+_ROW_OFFSET = contextvars.ContextVar("optax4bit_row_offset", default=0)
+
+
 def sequential_map(fn: Callable, *leaf_lists: Sequence) -> list:
-  """``[fn(*args) for args in zip(*leaf_lists)]``, forcing XLA to run the calls
-  one after another so that their temporaries never coexist."""
+  """``[fn(*args) for args in zip(*leaf_lists)]``, run by XLA one call after
+  another so that their temporaries never coexist.
+
+  XLA's scheduler ignores ``optimization_barrier`` orderings here, so every
+  row offset that `update_leaf` computes inside call ``i + 1`` is shifted by a
+  runtime zero derived from call ``i``'s result: a data dependence that keeps
+  call ``i + 1`` (and everything it slices before its loops) after call ``i``.
+  """
   results = []
-  previous = None
   for args in zip(*leaf_lists):
-    if previous is not None:
-      previous, args = jax.lax.optimization_barrier((previous, args))
-      results[-1] = previous
-    previous = fn(*args)
-    results.append(previous)
+    token = _ROW_OFFSET.set(_zero_after(results[-1]) if results else 0)
+    try:
+      results.append(fn(*args))
+    finally:
+      _ROW_OFFSET.reset(token)
   return results
