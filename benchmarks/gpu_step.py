@@ -1,0 +1,301 @@
+"""GPU optimizer step: fused Pallas kernels against the jnp path and optax.adamw.
+
+1. Checks that ``implementation="pallas"`` matches ``implementation="jnp"`` on
+   the GPU (small GPT-like tree plus ragged leaves, float32 and bfloat16):
+   teacher-forced steps from the same state (fraction of differing 4-bit
+   codes, scales and updates in ulps of each leaf's largest value) and 50
+   free-running steps (params in ulps of each leaf's largest |param|).
+2. Times the jitted optimizer step ``params, state = step(params, state,
+   grads)`` (``tx.update`` then ``optax.apply_updates``; params and state
+   donated) as the median of ``--steps`` (>= 50) device-synchronized calls,
+   for optax.adamw, jnp 4-bit AdamW, Pallas 4-bit AdamW (``Rank-1/Linear`` v
+   and ``B128/Linear`` v), jnp and Pallas 4-bit Factor, at ~100M and ~1B
+   parameters, float32 and bfloat16 params.
+3. Prints the bytes a step must move at least (read grads, params and state;
+   write params and state) divided by its time, against a measured
+   device-to-device copy bandwidth (``x + 1`` on 1 GiB: read + write), and
+   the time ratios to optax.adamw and to the jnp 4-bit path.
+
+Without a GPU it prints a message and exits with status 0. ``--cpu-dry-run``
+runs the whole script on the CPU with the kernels in interpret mode and tiny
+shapes, to exercise it (its figures mean nothing).
+
+    python benchmarks/gpu_step.py                     # everything
+    python benchmarks/gpu_step.py --sizes 100M --dtypes float32 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax4bit
+from optax4bit.quant import packing
+from optax4bit.quant.array import QuantizedArray
+
+GiB = 2**30
+
+SIZES = {  # GPT-like decoders (no biases), ~100M and ~1B parameters.
+    "100M": dict(vocab=32000, width=768, depth=12),
+    "1B": dict(vocab=32000, width=2048, depth=20),
+}
+DRY_RUN_SIZE = dict(vocab=300, width=64, depth=1)
+PALLAS = "pallas"  # "pallas_interpret" in --cpu-dry-run
+
+
+def gpt_shapes(vocab: int, width: int, depth: int) -> dict:
+  shapes = {"embed": (vocab, width), "final_norm": (width,)}
+  for i in range(depth):
+    shapes[f"layer{i:02d}"] = {
+        "attn_norm": (width,), "qkv": (width, 3 * width), "attn_out": (width, width),
+        "mlp_norm": (width,), "mlp_in": (width, 4 * width), "mlp_out": (4 * width, width)}
+  return shapes
+
+
+def _is_shape(x) -> bool:
+  return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def random_tree(shapes, dtype, seed: int):
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return treedef.unflatten([(jax.random.normal(k, s, jnp.float32) * 0.02).astype(dtype)
+                            for k, s in zip(keys, leaves)])
+
+
+def optimizers(lr: float = 1e-3) -> dict:
+  return {
+      "optax.adamw": lambda: optax.adamw(lr),
+      "jnp adamw_4bit": lambda: optax4bit.adamw_4bit(lr, implementation="jnp"),
+      "pallas adamw_4bit": lambda: optax4bit.adamw_4bit(lr, implementation=PALLAS),
+      "pallas adamw_4bit B128/Linear v": lambda: optax4bit.adamw_4bit(
+          lr, second_moment="B128/Linear", implementation=PALLAS),
+      "jnp adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(lr, implementation="jnp"),
+      "pallas adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(lr,
+                                                                       implementation=PALLAS),
+  }
+
+
+# ----------------------------------------------------------------------------
+# 1. Equivalence on the GPU.
+
+CHECKED = {  # name: the scale_by_* transformation for an implementation
+    "adam Rank-1/Linear v": lambda impl: optax4bit.scale_by_adam_4bit(
+        min_quantize_size=0, implementation=impl),
+    "adam B128/Linear v": lambda impl: optax4bit.scale_by_adam_4bit(
+        second_moment="B128/Linear", min_quantize_size=0, implementation=impl),
+    "adam nesterov": lambda impl: optax4bit.scale_by_adam_4bit(
+        nesterov=True, min_quantize_size=0, implementation=impl),
+    "factor": lambda impl: optax4bit.scale_by_factored_adam_4bit(
+        min_quantize_size=0, implementation=impl),
+    "sgdm": lambda impl: optax4bit.scale_by_momentum_4bit(min_quantize_size=0,
+                                                          implementation=impl),
+}
+CHECK_SHAPES = {"w": (512, 1536), "ragged": (300, 301), "heads": (256, 4, 48), "b": (1001,)}
+
+
+def _ulps_of_max(a, b, dtype) -> float:
+  a = np.asarray(a, np.float32)
+  b = np.asarray(b, np.float32)
+  scale = float(np.max(np.abs(a)))
+  diff = float(np.max(np.abs(a - b)))
+  return diff / (scale * float(jnp.finfo(dtype).eps)) if scale else diff
+
+
+def _grads(params, i):
+  key = jax.random.fold_in(jax.random.key(7), i)
+  return {k: (jax.random.normal(jax.random.fold_in(key, n), p.shape) * (1 + n)).astype(p.dtype)
+          for n, (k, p) in enumerate(sorted(params.items()))}
+
+
+def check(dtype, steps: int = 20, shapes=None, free_steps: int = 50) -> list:
+  """Teacher-forced comparison, then free-running adamw_4bit steps."""
+  rows = []
+  params = random_tree(shapes or CHECK_SHAPES, dtype, seed=1)
+  for name, make in CHECKED.items():
+    tx_ref, tx_pal = make("jnp"), make(PALLAS)
+
+    @jax.jit
+    def both(state, i, tx_ref=tx_ref, tx_pal=tx_pal):
+      grads = _grads(params, i)
+      return tx_ref.update(grads, state), tx_pal.update(grads, state)
+
+    state = tx_ref.init(params)
+    codes_total = codes_differ = 0
+    worst_scale = worst_update = 0.0
+    for i in range(steps):
+      (u_ref, s_ref), (u_pal, s_pal) = both(state, i)
+      for k in params:
+        worst_update = max(worst_update, _ulps_of_max(u_ref[k], u_pal[k], dtype))
+      quantized = lambda s: [x for x in jax.tree.leaves(
+          s, is_leaf=lambda x: isinstance(x, QuantizedArray)) if isinstance(x, QuantizedArray)]
+      for a, b in zip(quantized(s_ref), quantized(s_pal)):
+        ca = np.asarray(packing.unpack(a.codes, a.shape[-1], 4))
+        cb = np.asarray(packing.unpack(b.codes, b.shape[-1], 4))
+        codes_total += ca.size
+        codes_differ += int(np.sum(ca != cb))
+        for sa, sb in zip(a.scales, b.scales):
+          worst_scale = max(worst_scale, _ulps_of_max(sa, sb, jnp.float32))
+      state = s_ref
+    fraction = codes_differ / max(codes_total, 1)
+    ok = fraction <= 1e-4 and worst_scale <= 4 and worst_update <= (
+        8 if dtype == jnp.float32 else 1)
+    rows.append(dict(check=name, dtype=jnp.dtype(dtype).name, steps=steps,
+                     codes_differ_fraction=fraction, scale_ulps_of_max=worst_scale,
+                     update_ulps_of_max=worst_update, ok=ok))
+
+  def run(implementation):
+    tx = optax4bit.adamw_4bit(1e-2, min_quantize_size=0, implementation=implementation)
+
+    @jax.jit
+    def step(p, s, i):
+      updates, s = tx.update(_grads(p, i), s, p)
+      return optax.apply_updates(p, updates), s
+
+    p, s = params, tx.init(params)
+    for i in range(free_steps):
+      p, s = step(p, s, i)
+    return p
+
+  p_ref, p_pal = run("jnp"), run(PALLAS)
+  worst = max(_ulps_of_max(p_ref[k], p_pal[k], dtype) for k in params)
+  rows.append(dict(check=f"adamw_4bit {free_steps} free-running steps",
+                   dtype=jnp.dtype(dtype).name, steps=free_steps, params_ulps_of_max=worst,
+                   ok=worst <= 2))
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# 2./3. Timing.
+
+
+def _median_time(fn, args, steps: int, warmup: int = 3):
+  for _ in range(warmup):
+    args = fn(*args)
+    jax.block_until_ready(args)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    args = fn(*args)
+    jax.block_until_ready(args)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), args
+
+
+def copy_bandwidth(steps: int, nbytes: int = GiB) -> float:
+  """Bytes per second of ``x + 1`` on ``nbytes`` of float32 (read + write)."""
+  x = jnp.zeros((nbytes // 4,), jnp.float32)
+  add = jax.jit(lambda x: (x + 1,), donate_argnums=0)
+  seconds, _ = _median_time(add, (x,), steps)
+  return 2 * nbytes / seconds
+
+
+def time_step(make_tx, params, grads, steps: int) -> dict:
+  tx = make_tx()
+  params = jax.tree.map(jnp.copy, params)  # the step donates (consumes) its params
+  state = tx.init(params)
+  state_bytes = optax4bit.state_nbytes(state)
+
+  def step(params, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  fn = jax.jit(step, donate_argnums=(0, 1))
+  seconds, _ = _median_time(fn, (params, state), steps)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  # At least: read grads and params, write params; read and write the state.
+  moved = 3 * param_bytes + 2 * state_bytes
+  return dict(seconds=seconds, state_bytes=state_bytes, bytes_moved=moved)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+  parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                      choices=["float32", "bfloat16"])
+  parser.add_argument("--steps", type=int, default=50, help="timed steps (>= 50)")
+  parser.add_argument("--skip-check", action="store_true")
+  parser.add_argument("--json", help="also write all results to this file")
+  parser.add_argument("--cpu-dry-run", action="store_true",
+                      help="exercise the script on the CPU (interpret mode, tiny shapes)")
+  args = parser.parse_args(argv)
+  if args.steps < 50:
+    parser.error("--steps must be >= 50")
+
+  global PALLAS
+  dry_run = args.cpu_dry_run
+  PALLAS = "pallas_interpret" if dry_run else "pallas"
+  if jax.default_backend() != "gpu" and not dry_run:
+    print(f"No GPU: JAX's default backend is {jax.default_backend()!r}. This benchmark times "
+          "the Pallas (Triton) kernels and needs a CUDA GPU; nothing was measured.")
+    return 0
+  device = jax.devices()[0]
+  print(f"device: {device.device_kind}, jax {jax.__version__}")
+  results = dict(device=device.device_kind, jax=jax.__version__, checks=[], timings=[])
+
+  failed = False
+  if not args.skip_check:
+    print("\n## Pallas == jnp on this GPU")
+    for dtype in args.dtypes:
+      rows = (check(jnp.dtype(dtype), steps=2, shapes={"ragged": (30, 301)}, free_steps=2)
+              if dry_run else check(jnp.dtype(dtype)))
+      for row in rows:
+        results["checks"].append(row)
+        failed |= not row["ok"]
+        detail = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in row.items() if k not in ("check", "ok"))
+        print(f"{'ok  ' if row['ok'] else 'FAIL'} {row['check']}: {detail}")
+
+  bandwidth = copy_bandwidth(args.steps, 2**24 if dry_run else GiB)
+  results["copy_bandwidth_bytes_per_s"] = bandwidth
+  print(f"\ndevice-to-device copy bandwidth (x + 1): {bandwidth / 1e9:.0f} GB/s")
+  for size in (["dry-run"] if dry_run else args.sizes):
+    shapes = gpt_shapes(**(DRY_RUN_SIZE if dry_run else SIZES[size]))
+    num = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=_is_shape))
+    for dtype in args.dtypes:
+      params = random_tree(shapes, jnp.dtype(dtype), seed=0)
+      grads = random_tree(shapes, jnp.dtype(dtype), seed=1)
+      print(f"\n## {size} ({num / 1e6:.0f}M params), {dtype} params, median of {args.steps} "
+            "steps")
+      print(f"{'optimizer':34s} {'ms/step':>9s} {'state B/param':>14s} {'GB/s moved':>11s} "
+            f"{'% copy bw':>9s} {'x adamw':>8s} {'x jnp 4bit':>10s}")
+      rows = {}
+      for name, make in optimizers().items():
+        try:
+          row = time_step(make, params, grads, args.steps)
+        except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory at 1B)
+          print(f"{name:34s} failed: {type(e).__name__}: {str(e)[:200]}")
+          continue
+        rows[name] = row
+        results["timings"].append(dict(size=size, params=num, dtype=dtype, optimizer=name, **row))
+      for name, row in rows.items():
+        rate = row["bytes_moved"] / row["seconds"]
+        vs_adamw = row["seconds"] / rows["optax.adamw"]["seconds"] if "optax.adamw" in rows else float("nan")
+        base = "jnp adamw_4bit_factor" if "factor" in name else "jnp adamw_4bit"
+        vs_jnp = row["seconds"] / rows[base]["seconds"] if base in rows else float("nan")
+        print(f"{name:34s} {row['seconds'] * 1e3:9.2f} {row['state_bytes'] / num:14.3f} "
+              f"{rate / 1e9:11.0f} {100 * rate / bandwidth:8.0f}% {vs_adamw:8.2f} {vs_jnp:10.2f}")
+      del params, grads
+
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  if failed:
+    print("\nFAIL: the Pallas path does not match the jnp reference on this GPU (see above).")
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,632 @@
+"""The tiled leaf engine behind every Pallas kernel of this package.
+
+A leaf of shape ``(..., D)`` is viewed as a matrix ``(R, D)`` (``R`` the
+product of the leading axes; a 1-D leaf is ``(1, D)``); its packed 4-bit codes
+as ``(R, H)`` with ``H = ceil(D / 2)``. A kernel program owns a tile of
+``BR`` rows by ``NBT`` segments of ``S`` code bytes (all powers of two, as
+Triton requires), i.e. up to ``2 * BR * NBT * S`` elements. Elements are
+loaded as two halves, the even and the odd elements of the tile's bytes, with
+array-indexed (gather-style) loads: they lower to plain Triton pointer
+arithmetic, and unlike strided ``pl.ds`` slices they also run in interpret
+mode. Both halves go through the same elementwise function, and the codes of
+an even/odd pair are packed into one byte (even element in the low nibble, a
+zero nibble past an odd last axis), exactly the layout of
+`optax4bit.quant.packing`. Ragged tails are masked: nothing outside the leaf
+is read, written, or counted in a maximum.
+
+How a quantized moment is normalized decides when it can be encoded:
+
+* ``local``: block-wise along the last axis with ``B / 2 == S`` bytes per
+  block. Each tile row segment is one block, so its new scale (the block
+  maximum) is known inside the program: decode, step and encode in one pass.
+* ``global``: everything else (rank-1 and tensor scales, blocks of ``B / 2 >
+  S`` bytes, and blocks of ``g > 1`` whole short rows). Pass 1 runs the step,
+  writes the update and the local moments, and only writes partial maxima of
+  the new value: one per (row, segment), and for rank-1/tensor also one per
+  (row tile, column). Those small arrays are reduced with jnp into exactly the
+  scales of the jnp reference (maxima are exact, so the order of reduction
+  does not matter). Pass 2 recomputes the new value from the old codes, which
+  pass 1 did not touch, and encodes it. No float32 buffer of the leaf's size
+  exists at any time; the partial maxima cost ``4 / (2 * S)`` plus, for
+  rank-1, ``4 / BR`` bytes per element, for one leaf at a time.
+
+A new moment encoded in pass 2 may depend only on the dense inputs, the side
+inputs, the coefficients and its *own* old value (pass 1 may already have
+overwritten the others). Every optimizer of this package satisfies that.
+
+Numerics follow the jnp reference operation by operation: the same decode
+(table entry times scale), the same normalization ``n = (x * (4 / scale)) *
+0.25`` with the reciprocal taken on the scale arrays (for rank-1 ``4 / min(mu)
+== max(4 / mu)``), NaN mapped to 0, and the same select-tree / closed-form
+encoders (`optax4bit.quant.maps`), so in interpret mode the quantizers
+reproduce the reference bit for bit. On the GPU,
+divisions and square roots use correctly rounded PTX (``div.rn.f32``,
+``sqrt.rn.f32``; Triton's own ``/`` is the approximate ``div.full.f32``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax4bit.quant import maps, normalize
+from optax4bit.quant.array import QuantizedArray
+from optax4bit.quant.packing import packed_length
+from optax4bit.quant.spec import QuantSpec
+
+# Bytes of codes per tile (each byte is two elements): 2048 bytes = 4096
+# elements per program. Tunable with `PallasConfig.tile_bytes`.
+DEFAULT_TILE_BYTES = 2048
+# Segment width (bytes) when no moment is block-wise local.
+DEFAULT_SEGMENT_BYTES = 64
+DEFAULT_NUM_WARPS = 4
+
+
+def _pallas():
+  """``(pl, plgpu)``, imported on first use: importing Pallas costs a
+  noticeable part of ``import optax4bit``, and most runs use no kernel."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
+  return pl, plgpu
+
+
+class Unsupported(ValueError):
+  """A leaf or quantizer that the kernels do not handle (the caller falls
+  back to the jnp reference)."""
+
+
+def _pow2_ceil(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+  return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def check_spec(spec: QuantSpec) -> None:
+  """Raises `Unsupported` for quantizers without a kernel."""
+  if spec.bits != 4:
+    raise Unsupported(f"{spec}: the Pallas kernels are 4-bit only.")
+  if spec.stochastic:
+    raise Unsupported(f"{spec}: stochastic rounding has no Pallas kernel (its random draws "
+                      "are those of the jnp reference).")
+  if spec.normalization == "block" and spec.block_size < 2:
+    raise Unsupported(f"{spec}: blocks of one element have no Pallas kernel.")
+
+
+# ----------------------------------------------------------------------------
+# Geometry of a leaf and formats of its moments.
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """The matrix view of a leaf and its tiling (all static)."""
+  shape: tuple
+  rows: int        # R
+  cols: int        # D
+  lead: int        # A: product of the axes before the last two (1 for ndim <= 2)
+  axis_rows: int   # size of axis -2 (1 for 1-D leaves)
+  seg: int         # S, bytes per segment
+  segs_per_tile: int  # NBT
+  rows_per_tile: int  # BR
+
+  @property
+  def half(self) -> int:  # H
+    return packed_length(self.cols, 4)
+
+  @property
+  def num_segs(self) -> int:
+    return -(-self.half // self.seg)
+
+  @property
+  def row_tiles(self) -> int:
+    return -(-self.rows // self.rows_per_tile)
+
+  @property
+  def grid(self) -> tuple:
+    return (self.row_tiles, -(-self.num_segs // self.segs_per_tile))
+
+  @property
+  def tile(self) -> tuple:
+    return (self.rows_per_tile, self.segs_per_tile, self.seg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """How one quantized moment is laid out and when it is encoded."""
+  spec: QuantSpec
+  shape: tuple
+  kind: str            # "block" (g == 1), "group" (g > 1 rows per block), "rank1" (and tensor)
+  block_bytes: int = 0  # block: B // 2
+  group_rows: int = 1   # group: g
+  local: bool = False
+
+
+def _layout(spec: QuantSpec, shape: tuple) -> normalize.Layout:
+  return normalize.layout_for(spec, shape)
+
+
+def segment_bytes(specs: Sequence[QuantSpec], shape: tuple) -> int:
+  """S: the smallest block (in bytes) among block-wise moments with one block
+  per row segment; those become local."""
+  candidates = []
+  for spec in specs:
+    layout = _layout(spec, shape)
+    if layout.normalization == "block" and layout.rows_per_block == 1:
+      candidates.append(layout.block_size // 2)
+  if candidates:
+    return min(candidates)
+  return min(DEFAULT_SEGMENT_BYTES, _pow2_ceil(packed_length(shape[-1], 4)))
+
+
+def geometry(shape: tuple, specs: Sequence[QuantSpec], tile_bytes: int = DEFAULT_TILE_BYTES,
+             segment: Optional[int] = None) -> Geometry:
+  shape = tuple(int(n) for n in shape)
+  if not shape or math.prod(shape) == 0:
+    raise Unsupported(f"shape {shape}: the kernels need ndim >= 1 and at least one element.")
+  for spec in specs:
+    check_spec(spec)
+  seg = segment_bytes(specs, shape) if segment is None else segment
+  cols = shape[-1]
+  rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+  axis_rows = shape[-2] if len(shape) > 1 else 1
+  lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
+  half = packed_length(cols, 4)
+  num_segs = -(-half // seg)
+  tile_bytes = max(int(tile_bytes), seg)
+  # Rows first: the rank-1 column maxima of pass 1 take one float per row
+  # tile and column, so few rows per tile would make them leaf-sized.
+  rows_per_tile = min(_pow2_ceil(rows), _pow2_floor(tile_bytes // seg))
+  segs_per_tile = min(_pow2_ceil(num_segs), _pow2_floor(tile_bytes // (seg * rows_per_tile)))
+  return Geometry(shape, rows, cols, lead, axis_rows, seg, segs_per_tile, rows_per_tile)
+
+
+def moment_format(spec: QuantSpec, geo: Geometry) -> Format:
+  check_spec(spec)
+  layout = _layout(spec, geo.shape)
+  if layout.normalization == "block":
+    if layout.rows_per_block > 1:
+      return Format(spec, geo.shape, "group", group_rows=layout.rows_per_block)
+    block_bytes = layout.block_size // 2
+    if block_bytes < geo.seg:
+      raise Unsupported(f"{spec}: blocks of {layout.block_size} elements are smaller than the "
+                        f"tile segment of {2 * geo.seg} elements chosen for this leaf.")
+    return Format(spec, geo.shape, "block", block_bytes=block_bytes,
+                  local=block_bytes == geo.seg)
+  return Format(spec, geo.shape, "rank1")
+
+
+# ----------------------------------------------------------------------------
+# jnp side: scale arrays in the kernels' views, and back.
+
+
+def _num_groups(fmt: Format, geo: Geometry) -> int:
+  return -(-geo.axis_rows // fmt.group_rows)
+
+
+def _rank1_vectors(scales: tuple, fmt: Format, geo: Geometry, combine) -> tuple:
+  """Per-row ``(R,)`` and per-column ``(D,)`` vectors whose ``combine`` is the
+  per-element value of rank-1 (or tensor) scales."""
+  layout = _layout(fmt.spec, geo.shape)
+  if layout.normalization == "tensor":
+    (s,) = scales
+    s = s.reshape(())
+    return jnp.full((geo.rows,), s), jnp.full((geo.cols,), s)
+  ndim = len(geo.shape)
+  row = scales[0].reshape(scales[0].shape[:-1])
+  for stat in scales[1:-1]:
+    row = combine(row, stat.reshape(stat.shape[:-1]))
+  row = jnp.broadcast_to(row, geo.shape[:-1]).reshape(geo.rows)
+  col = scales[ndim - 1].reshape(geo.cols)
+  return row, col
+
+
+def decode_operands(q: QuantizedArray, fmt: Format, geo: Geometry) -> tuple:
+  """Arrays a kernel reads to decode ``q``: codes ``(R, H)`` then scales."""
+  codes = q.codes.reshape(geo.rows, geo.half)
+  if fmt.kind == "block":
+    (s,) = q.scales
+    return codes, s.reshape(geo.rows, -1)
+  if fmt.kind == "group":
+    (s,) = q.scales
+    return codes, s.reshape(-1)
+  return (codes,) + _rank1_vectors(q.scales, fmt, geo, jnp.minimum)
+
+
+def inverse_times_4(s, div=jnp.divide):
+  """``4 / s`` (0 where ``s`` is 0, clamped to the float32 maximum), as
+  `optax4bit.quant.normalize.normalize` uses it: ``n = (x * (4 / s)) * 0.25``
+  equals ``x * (1 / s)`` but never goes through a subnormal reciprocal (which
+  XLA's CPU backend flushes to zero) for scales above 2**126."""
+  positive = s > 0
+  inverse = jnp.minimum(div(np.float32(4), jnp.where(positive, s, np.float32(1))),
+                        np.float32(np.finfo(np.float32).max))
+  return jnp.where(positive, inverse, np.float32(0))
+
+
+def encode_operands(scales: tuple, fmt: Format, geo: Geometry) -> tuple:
+  """Inverse scales (times 4) a pass-2 kernel multiplies by."""
+  inverse = tuple(inverse_times_4(s) for s in scales)
+  if fmt.kind == "block":
+    return (inverse[0].reshape(geo.rows, -1),)
+  if fmt.kind == "group":
+    return (inverse[0].reshape(-1),)
+  return _rank1_vectors(inverse, fmt, geo, jnp.maximum)
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def scales_from_partials(fmt: Format, geo: Geometry, row_part: jax.Array,
+                         col_part: Optional[jax.Array],
+                         reduce_scales: Optional[Callable] = None) -> tuple:
+  """The reference's scale arrays of a new moment from pass-1 partial maxima.
+
+  ``row_part``: ``(R, num_segs)``, max |x| per row segment; ``col_part``:
+  ``(row_tiles, D)``, max |x| per row tile and column (rank-1 only).
+  ``reduce_scales(scales, layout)`` turns rank-1/tensor scales of a shard
+  into those of the global tensor (see `optax4bit.sharding.per_shard`).
+  """
+  shape = geo.shape
+  layout = _layout(fmt.spec, shape)
+  shapes = normalize.scale_shapes(layout, shape)
+  if fmt.kind == "block":
+    k = fmt.block_bytes // geo.seg
+    grouped = _pad_to(row_part, 1, k)
+    grouped = grouped.reshape(geo.rows, grouped.shape[1] // k, k).max(axis=-1)
+    return (grouped.reshape(shapes[0]),)
+  row_max = row_part.max(axis=1)
+  if fmt.kind == "group":
+    g = fmt.group_rows
+    per_row = _pad_to(row_max.reshape(geo.lead, geo.axis_rows), 1, g)
+    groups = per_row.reshape(geo.lead, per_row.shape[1] // g, g).max(axis=-1)
+    return (groups.reshape(shapes[0]),)
+  if layout.normalization == "tensor":
+    scales = (row_max.max().reshape(shapes[0]),)
+  else:
+    ndim = len(shape)
+    lead = row_max.reshape(shape[:-1])
+    stats = []
+    for axis in range(ndim - 1):
+      others = tuple(k for k in range(ndim - 1) if k != axis)
+      stat = jnp.max(lead, axis=others, keepdims=True) if others else lead
+      stats.append(stat[..., None].reshape(shapes[axis]))
+    stats.append(col_part.max(axis=0).reshape(shapes[ndim - 1]))
+    scales = tuple(stats)
+  return scales if reduce_scales is None else tuple(reduce_scales(scales, layout))
+
+
+def local_scales(scales_2d: jax.Array, fmt: Format, geo: Geometry) -> tuple:
+  shapes = normalize.scale_shapes(_layout(fmt.spec, geo.shape), geo.shape)
+  return (scales_2d.reshape(shapes[0]),)
+
+
+# ----------------------------------------------------------------------------
+# Kernel side.
+
+
+class KernelMath:
+  """Division and square root, correctly rounded on both backends."""
+
+  def __init__(self, triton: bool):
+    self.triton = triton
+
+  def _asm(self, asm: str, *args):
+    shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+    args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in args]
+    constraints = "=r," + ",".join("r" for _ in args)
+    _, plgpu = _pallas()
+    (out,) = plgpu.elementwise_inline_asm(
+        asm, args=args, constraints=constraints, pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+    return out
+
+  def div(self, a, b):
+    if self.triton:
+      return self._asm("div.rn.f32 $0, $1, $2;", a, b)
+    return a / b
+
+  def sqrt(self, x):
+    if self.triton:
+      return self._asm("sqrt.rn.f32 $0, $1;", x)
+    return jnp.sqrt(x)
+
+  def inverse_times_4(self, s):
+    return inverse_times_4(s, self.div)
+
+
+@dataclasses.dataclass(frozen=True)
+class SideInput:
+  """A float32 array broadcast against the leaf: ``"row"`` (R,) or
+  ``"lead_col"`` (A, D), indexed by (row // axis_rows, column)."""
+  kind: str
+
+
+def _iota(shape, dim):
+  return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _load(ref, index, mask):
+  _, plgpu = _pallas()
+  return plgpu.load(ref.at[index], mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def _finite_abs(x, mask):
+  return jnp.where(mask & jnp.isfinite(x), jnp.abs(x), np.float32(0))
+
+
+def _encode(x, inverse_times_4, spec: QuantSpec):
+  """Codes of ``x`` given ``4 / scale`` (`normalize.normalize`, then the
+  table's encoder)."""
+  n = (x * inverse_times_4) * np.float32(0.25)
+  n = jnp.where(jnp.isnan(n), np.float32(0), n)
+  return maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed).astype(jnp.int32)
+
+
+def _pack(code_even, code_odd, valid_odd):
+  return (code_even | (jnp.where(valid_odd, code_odd, 0) << 4)).astype(jnp.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  geo: Geometry
+  num_coef: int
+  dense_in: int
+  old: tuple          # Formats of the old (decoded) moments
+  side: tuple         # SideInputs
+  dense_out: tuple    # dtypes
+  new: tuple          # Formats of the new (encoded) moments
+  old_read: tuple     # per old moment: whether this pass reads it (else zeros)
+
+
+def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
+  geo = plan.geo
+  it = iter(refs)
+  coef_ref = next(it) if plan.num_coef else None
+  dense_refs = [next(it) for _ in range(plan.dense_in)]
+  old_refs = []
+  for fmt, read in zip(plan.old, plan.old_read):
+    count = {"block": 2, "group": 2, "rank1": 3}[fmt.kind] if read else 0
+    old_refs.append([next(it) for _ in range(count)])
+  side_refs = [next(it) for _ in plan.side]
+  inv_refs = []
+  if pass_two:
+    for fmt in plan.new:
+      if not fmt.local:
+        inv_refs.append([next(it) for _ in range(2 if fmt.kind == "rank1" else 1)])
+  outs = list(it)
+
+  pl, plgpu = _pallas()
+  i, j = pl.program_id(0), pl.program_id(1)
+  br, nbt, s = geo.tile
+  shape = geo.tile
+  row = i * br + _iota(shape, 0)
+  seg = j * nbt + _iota(shape, 1)
+  byte = seg * s + _iota(shape, 2)
+  row_1 = i * br + _iota((br, 1, 1), 0)
+  valid_row = row_1 < geo.rows
+  valid = (row < geo.rows) & (byte < geo.half)
+  cols = (2 * byte, 2 * byte + 1)
+  valids = (valid, valid & (cols[1] < geo.cols))
+  kmath = KernelMath(triton)
+  coef = tuple(coef_ref[k] for k in range(plan.num_coef))
+
+  def row_index(fmt: Format):
+    """Flat index of the group scale of each row (group formats)."""
+    lead_index = jax.lax.div(row_1, np.int32(geo.axis_rows))
+    in_lead = jax.lax.rem(row_1, np.int32(geo.axis_rows))
+    return lead_index * _num_groups(fmt, geo) + jax.lax.div(in_lead, np.int32(fmt.group_rows))
+
+  def per_element_scale(fmt: Format, scale_refs, combine):
+    """Scale (or inverse) of the even and odd elements."""
+    if fmt.kind == "block":
+      block = jax.lax.div(byte, np.int32(fmt.block_bytes))
+      value = _load(scale_refs[0], (row, block), valid)
+      return value, value
+    if fmt.kind == "group":
+      value = _load(scale_refs[0], row_index(fmt), valid_row)
+      return value, value
+    row_value = _load(scale_refs[0], row_1, valid_row)
+    return tuple(combine(row_value, _load(scale_refs[1], c, v)) for c, v in zip(cols, valids))
+
+  # Inputs of both halves.
+  dense = [[_load(ref, (row, c), v).astype(jnp.float32) for ref in dense_refs]
+           for c, v in zip(cols, valids)]
+  old = [[], []]
+  for fmt, refs_k in zip(plan.old, old_refs):
+    if not refs_k:  # not needed in this pass (and possibly overwritten already)
+      old[0].append(jnp.zeros(shape, jnp.float32))
+      old[1].append(jnp.zeros(shape, jnp.float32))
+      continue
+    packed = _load(refs_k[0], (row, byte), valid).astype(jnp.int32)
+    codes = (packed & 15, packed >> 4)
+    scale = per_element_scale(fmt, refs_k[1:], jnp.minimum)
+    for h in range(2):
+      value = maps.decode(codes[h], fmt.spec.mapping, fmt.spec.bits, fmt.spec.signed)
+      old[h].append(value * scale[h])
+  side = [[], []]
+  for side_input, ref in zip(plan.side, side_refs):
+    if side_input.kind == "row":
+      value = _load(ref, row_1, valid_row)
+      side[0].append(value)
+      side[1].append(value)
+    else:
+      lead_index = jax.lax.div(row, np.int32(geo.axis_rows))
+      for h in range(2):
+        side[h].append(_load(ref, (lead_index, cols[h]), valids[h]))
+
+  results = [fn(kmath, coef, tuple(dense[h]), tuple(old[h]), tuple(side[h])) for h in range(2)]
+
+  out_it = iter(outs)
+  row_2 = i * br + _iota((br, nbt), 0)
+  seg_2 = j * nbt + _iota((br, nbt), 1)
+  valid_2 = (row_2 < geo.rows) & (seg_2 < geo.num_segs)
+  if not pass_two:
+    for k, dtype in enumerate(plan.dense_out):
+      ref = next(out_it)
+      for h in range(2):
+        plgpu.store(ref.at[row, cols[h]], results[h][0][k].astype(dtype), mask=valids[h])
+  inv_it = iter(inv_refs)
+  for k, fmt in enumerate(plan.new):
+    values = (results[0][1][k], results[1][1][k])
+    if not pass_two:
+      absolute = [_finite_abs(values[h], valids[h]) for h in range(2)]
+      seg_max = jnp.maximum(absolute[0].max(axis=2), absolute[1].max(axis=2))
+      if fmt.local:
+        codes_ref, scales_ref = next(out_it), next(out_it)
+        inverse = kmath.inverse_times_4(seg_max)[:, :, None]
+        codes = [_encode(values[h], inverse, fmt.spec) for h in range(2)]
+        plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
+        plgpu.store(scales_ref.at[row_2, seg_2], seg_max, mask=valid_2)
+      else:
+        plgpu.store(next(out_it).at[row_2, seg_2], seg_max, mask=valid_2)
+        if fmt.kind == "rank1":
+          col_ref = next(out_it)
+          tile_row = jnp.full((nbt, s), i, jnp.int32)
+          byte_2 = (j * nbt + _iota((nbt, s), 0)) * s + _iota((nbt, s), 1)
+          for h in range(2):
+            col_c = 2 * byte_2 + h
+            plgpu.store(col_ref.at[tile_row, col_c], absolute[h].max(axis=0),
+                        mask=col_c < geo.cols)
+    elif not fmt.local:
+      codes_ref = next(out_it)
+      inverse = per_element_scale(fmt, next(inv_it), jnp.maximum)
+      codes = [_encode(values[h], inverse[h], fmt.spec) for h in range(2)]
+      plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
+
+
+def _call(plan: _Plan, fn, pass_two: bool, inputs: list, out_shapes: list, aliases: dict,
+          options: "Options"):
+  kernel = functools.partial(_kernel, plan, fn, pass_two, not options.interpret)
+  pl, plgpu = _pallas()
+  return pl.pallas_call(
+      kernel,
+      out_shape=out_shapes,
+      grid=plan.geo.grid,
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=options.num_warps, num_stages=1),
+      interpret=options.interpret,
+      name=f"optax4bit_{'encode' if pass_two else 'step'}",
+  )(*inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Static options of a kernel launch."""
+  interpret: bool = False
+  tile_bytes: int = DEFAULT_TILE_BYTES
+  num_warps: int = DEFAULT_NUM_WARPS
+
+
+def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
+        dense_in: Sequence[jax.Array] = (), old: Sequence[QuantizedArray] = (),
+        side: Sequence[tuple] = (), dense_out: Sequence[Any] = (),
+        new: Sequence[tuple] = (), alias: Sequence[Optional[int]] = (),
+        options: Options = Options(), reduce_scales: Optional[Callable] = None):
+  """Runs an elementwise step over one leaf with the Pallas kernels.
+
+  Args:
+    fn: ``fn(kmath, coef, dense, old, side) -> (dense_out, new)`` on float32
+      arrays (called once for the even and once for the odd elements); ``coef``
+      is a tuple of float32 scalars.
+    shape: the leaf's shape.
+    coef: float32 vector of scalar coefficients.
+    dense_in: arrays of the leaf's shape (any float dtype).
+    old: quantized moments to decode.
+    side: ``(array, SideInput)`` pairs.
+    dense_out: dtypes of the dense outputs.
+    new: ``(spec, dtype)`` of the moments to encode.
+    alias: per new moment, the index of the old moment whose buffers it
+      overwrites (or None).
+    options: interpret mode and tiling.
+    reduce_scales: cross-shard reduction of rank-1/tensor scales (see
+      `scales_from_partials`).
+
+  Returns:
+    ``(dense_outputs, new_moments)``.
+  """
+  shape = tuple(shape)
+  specs = [q.spec for q in old] + [spec for spec, _ in new]
+  geo = geometry(shape, specs, options.tile_bytes)
+  old_fmts = tuple(moment_format(q.spec, geo) for q in old)
+  new_fmts = tuple(moment_format(spec, geo) for spec, _ in new)
+  alias = tuple(alias) if alias else (None,) * len(new)
+  plan = _Plan(geo, 0 if coef is None else int(coef.shape[0]), len(dense_in), old_fmts,
+               tuple(s for _, s in side), tuple(jnp.dtype(d) for d in dense_out), new_fmts,
+               (True,) * len(old))
+  head = ([] if coef is None else [coef.astype(jnp.float32)])
+  head += [x.reshape(geo.rows, geo.cols) for x in dense_in]
+  old_ops = [decode_operands(q, f, geo) for q, f in zip(old, old_fmts)]
+  side_ops = [jnp.asarray(a, jnp.float32) for a, _ in side]
+
+  def assemble(read: Sequence[bool]):
+    """Inputs of a pass and the input index of each read moment's codes."""
+    inputs, position = list(head), {}
+    for k, ops in enumerate(old_ops):
+      if read[k]:
+        position[k] = len(inputs)
+        inputs.extend(ops)
+    return inputs + side_ops, position
+
+  # Pass 1: the step; the update, local moments and partial maxima.
+  inputs, position = assemble(plan.old_read)
+  out_shapes, aliases = [], {}
+  for dtype in plan.dense_out:
+    out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.cols), dtype))
+  for fmt, a in zip(new_fmts, alias):
+    if fmt.local:
+      if a is not None:
+        aliases[position[a]] = len(out_shapes)
+        aliases[position[a] + 1] = len(out_shapes) + 1
+      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.half), jnp.uint8))
+      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))
+    else:
+      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))
+      if fmt.kind == "rank1":
+        out_shapes.append(jax.ShapeDtypeStruct((geo.row_tiles, geo.cols), jnp.float32))
+  outs = list(_call(plan, fn, False, inputs, out_shapes, aliases, options))
+  dense_results = [outs.pop(0).reshape(shape) for _ in plan.dense_out]
+  new_codes, new_scales = [None] * len(new_fmts), [None] * len(new_fmts)
+  for k, fmt in enumerate(new_fmts):
+    if fmt.local:
+      new_codes[k] = outs.pop(0)
+      new_scales[k] = local_scales(outs.pop(0), fmt, geo)
+    else:
+      row_part = outs.pop(0)
+      col_part = outs.pop(0) if fmt.kind == "rank1" else None
+      new_scales[k] = scales_from_partials(fmt, geo, row_part, col_part, reduce_scales)
+
+  # Pass 2: recompute and encode the moments whose scales needed the whole
+  # new value; it reads only their own old codes (pass 1 left them intact).
+  deferred = [k for k, fmt in enumerate(new_fmts) if not fmt.local]
+  if deferred:
+    read = tuple(any(alias[k] == m for k in deferred) for m in range(len(old)))
+    plan = dataclasses.replace(plan, old_read=read)
+    inputs, position = assemble(read)
+    out_shapes, aliases = [], {}
+    for k in deferred:
+      inputs.extend(encode_operands(new_scales[k], new_fmts[k], geo))
+      if alias[k] is not None:
+        aliases[position[alias[k]]] = len(out_shapes)
+      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.half), jnp.uint8))
+    codes = _call(plan, fn, True, inputs, out_shapes, aliases, options)
+    for k, c in zip(deferred, codes):
+      new_codes[k] = c
+
+  codes_shape = shape[:-1] + (geo.half,)
+  new_moments = tuple(
+      QuantizedArray(c.reshape(codes_shape), tuple(s), spec, shape, jnp.dtype(dtype))
+      for c, s, (spec, dtype) in zip(new_codes, new_scales, new))
+  return tuple(dense_results), new_moments

@@ -1,0 +1,206 @@
+"""Choosing between the Pallas kernels and the jnp reference, leaf by leaf.
+
+Every optimizer of the library takes ``implementation=``:
+
+* ``"auto"`` (default): the Pallas kernels on a CUDA GPU backend
+  (``jax.default_backend() == "gpu"``, not ROCm), the jnp reference elsewhere.
+* ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
+* ``"pallas"``: the Pallas kernels, lowered through Triton
+  (``jax.experimental.pallas.triton.CompilerParams``); needs a CUDA GPU.
+* ``"pallas_interpret"``: the same kernels in Pallas interpret mode, on any
+  backend (slow; for tests).
+* a `PallasConfig`: interpret mode and tiling options.
+
+The choice is made when the update is traced. Leaves the kernels do not cover
+run the jnp reference: leaves kept in float32, 8-bit or stochastically
+rounded quantizers, blocks of one element, and a block-wise moment whose
+blocks are smaller than another block-wise moment's of the same leaf (with
+the default quantizers every quantized leaf is covered).
+
+Sharded leaves (see `optax4bit.sharding`) run the kernels per shard under
+``jax.shard_map``, exactly like the jnp reference does: block-wise scales
+are local, rank-1 and tensor statistics are reduced with a cross-shard
+``pmax``, so results equal the unsharded run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax4bit import sharding as _sharding
+from optax4bit.pallas import _engine
+from optax4bit.pallas.optim import STEPS, adam_coefficients, momentum_coefficients
+from optax4bit.quant.array import QuantizedArray
+
+__all__ = ["IMPLEMENTATIONS", "PallasConfig", "FusedSteps", "check_implementation",
+           "fused_steps", "resolve"]
+
+IMPLEMENTATIONS = ("auto", "jnp", "pallas", "pallas_interpret")
+
+
+def _check_power_of_two(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+    raise ValueError(f"{name} must be a positive power of two, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasConfig:
+  """Options of the Pallas implementation (``implementation=PallasConfig(...)``).
+
+  Attributes:
+    interpret: run the kernels in Pallas interpret mode (any backend).
+    tile_bytes: packed code bytes per kernel program (a power of two; two
+      elements per byte).
+    num_warps: Triton warps per program (a power of two).
+
+  Example:
+    >>> import jax.numpy as jnp, optax4bit
+    >>> from optax4bit.pallas import PallasConfig
+    >>> tx = optax4bit.adamw_4bit(1e-3, implementation=PallasConfig(interpret=True))
+    >>> state = tx.init({"w": jnp.zeros((64, 128))})
+  """
+  interpret: bool = False
+  tile_bytes: int = _engine.DEFAULT_TILE_BYTES
+  num_warps: int = _engine.DEFAULT_NUM_WARPS
+
+  def __post_init__(self):
+    if not isinstance(self.interpret, bool):
+      raise ValueError(f"interpret must be a bool, got {self.interpret!r}.")
+    _check_power_of_two("tile_bytes", self.tile_bytes)
+    _check_power_of_two("num_warps", self.num_warps)
+
+  @property
+  def options(self) -> _engine.Options:
+    return _engine.Options(self.interpret, self.tile_bytes, self.num_warps)
+
+
+Implementation = Union[str, PallasConfig]
+
+
+def check_implementation(implementation: Implementation) -> Implementation:
+  """Validates ``implementation`` (at construction time)."""
+  if isinstance(implementation, PallasConfig):
+    return implementation
+  if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
+    return implementation
+  raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
+                   f"optax4bit.pallas.PallasConfig, got {implementation!r}.")
+
+
+def _on_cuda() -> bool:
+  if jax.default_backend() not in ("gpu", "cuda"):
+    return False
+  try:
+    version = str(jax.devices()[0].client.platform_version).lower()
+  except Exception:  # pylint: disable=broad-except
+    return True
+  return "rocm" not in version and "hip" not in version
+
+
+def resolve(implementation: Implementation) -> Optional[PallasConfig]:
+  """The `PallasConfig` to use, or None for the jnp reference.
+
+  Example:
+    >>> from optax4bit import pallas
+    >>> pallas.resolve("jnp") is None, pallas.resolve("pallas_interpret").interpret
+    (True, True)
+  """
+  implementation = check_implementation(implementation)
+  if isinstance(implementation, PallasConfig):
+    return implementation
+  if implementation == "auto":
+    return PallasConfig() if _on_cuda() else None
+  if implementation == "jnp":
+    return None
+  return PallasConfig(interpret=implementation == "pallas_interpret")
+
+
+def _covers(shape: tuple, moments: Sequence[QuantizedArray], options: _engine.Options) -> bool:
+  try:
+    geo = _engine.geometry(shape, [m.spec for m in moments], options.tile_bytes)
+    for m in moments:
+      _engine.moment_format(m.spec, geo)
+  except _engine.Unsupported:
+    return False
+  return True
+
+
+def _side_inputs(kind: str, shape: tuple, side: Sequence[jax.Array]) -> list:
+  if kind != "factored":
+    return []
+  row, col, row_mean = side
+  rows = math.prod(shape[:-1])
+  inverse = np.float32(1) / jnp.where(row_mean > 0, row_mean, np.float32(1))
+  per_row = lambda x: jnp.broadcast_to(x, shape[:-1] + (1,)).reshape(rows)
+  return [(row.reshape(rows), _engine.SideInput("row")),
+          (col.reshape(math.prod(shape[:-2]), shape[-1]), _engine.SideInput("lead_col")),
+          (per_row(row_mean), _engine.SideInput("row")),
+          (per_row(inverse), _engine.SideInput("row"))]
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedSteps:
+  """The fused per-leaf steps of one update (see `fused_steps`). Each method
+  returns ``(update, new_moments)``, or None when the kernels do not cover
+  the leaf (the caller then runs the jnp reference)."""
+  options: _engine.Options
+
+  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool):
+    coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
+    return self.run("adam_nesterov" if nesterov else "adam", coef, grad, moments)
+
+  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc):
+    """``side``: ``(row, col, row_mean)`` of the (already updated) factored
+    second moment, as `optax4bit.transform` computes them."""
+    coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
+    return self.run("factored", coef, grad, (moment,), side)
+
+  def momentum(self, grad, trace, momentum, nesterov: bool):
+    coef = momentum_coefficients(momentum)
+    return self.run("momentum_nesterov" if nesterov else "momentum", coef, grad, (trace,))
+
+  def run(self, kind: str, coef: jax.Array, grad: jax.Array, moments: Sequence,
+          side: Sequence[jax.Array] = ()):
+    """The step ``kind`` (a key of `optax4bit.pallas.optim.STEPS`) on one leaf."""
+    moments = tuple(moments)
+    if not moments or not all(isinstance(m, QuantizedArray) for m in moments):
+      return None
+    shape = tuple(grad.shape)
+    if not _covers(shape, moments, self.options):
+      return None
+    sharding = _sharding.leaf_sharding(grad)
+    if sharding is None:
+      return self._local(kind, grad, moments, tuple(side), (None,) * len(moments), None, (coef,))
+    try:
+      local_shape = tuple(sharding.shard_shape(shape))
+    except ValueError:  # uneven: the jnp path raises optax4bit's alignment error
+      return None
+    if not _covers(local_shape, moments, self.options):
+      return None
+    return _sharding.per_shard(
+        lambda *args: self._local(kind, *args), sharding, grad, moments, tuple(side),
+        (None,) * len(moments), (coef,))
+
+  def _local(self, kind, grad, moments, side, keys, reduce_scales, consts):
+    del keys
+    (coef,) = consts
+    shape = tuple(grad.shape)
+    (update,), new = _engine.run(
+        STEPS[kind], shape=shape, coef=coef, dense_in=[grad], old=moments,
+        side=_side_inputs(kind, shape, side), dense_out=[grad.dtype],
+        new=[(m.spec, m.dtype) for m in moments], alias=range(len(moments)),
+        options=self.options, reduce_scales=reduce_scales)
+    return update, new
+
+
+def fused_steps(implementation: Implementation) -> Optional[FusedSteps]:
+  """The fused steps for ``implementation``, or None for the jnp reference.
+  Call while tracing the update (``"auto"`` looks at the backend)."""
+  config = resolve(implementation)
+  return None if config is None else FusedSteps(config.options)

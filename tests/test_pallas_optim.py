@@ -1,0 +1,298 @@
+"""Fused Pallas optimizer steps against the jnp reference, and dispatch.
+
+The kernels run in interpret mode (CPU). What "equal" means here:
+
+* Codes: equal, except where the value lies within a few float32 ulps of a
+  midpoint between two table entries (a rounding tie that the last bit of the
+  moment decides). Checked independently: a mismatching code must sit at
+  such a tie of the float64 moment computed from the reference's old state.
+* Scales (block maxima, rank-1 statistics): within 2 ulps of the moment's
+  largest scale. A block whose new value cancels (``(1 - b1) g + b1 m``
+  near 0) carries the rounding error of its larger terms, so a small scale
+  can differ by several of its own ulps.
+* Updates: within 4 ulps of the leaf's largest update (float32); within one
+  ulp of the half-precision dtype for bf16/fp16.
+* Params after 50 free-running steps: within 2 ulps of the leaf's largest
+  parameter.
+
+Not bit for bit because XLA compiles the two differently: its CPU backend
+contracts ``a * b + c * d`` into a fused multiply-add, and which product it
+fuses depends on the fusion the expression lands in (the jnp reference itself
+is not consistent across its own fusions at that level). The kernels follow
+the reference's arithmetic operation by operation, including XLA's algebraic
+rewrites (see `optax4bit.pallas.optim`).
+"""
+
+from __future__ import annotations
+
+import doctest
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax4bit
+from conftest import near_midpoint
+from optax4bit import pallas
+from optax4bit.pallas import PallasConfig
+from optax4bit.quant import normalize
+from optax4bit.quant.array import QuantizedArray
+
+INTERPRET = PallasConfig(interpret=True, tile_bytes=64)  # small tiles: many programs
+# Tiles of 4 rows x 64 bytes on (5, 301): a ragged second row tile, and
+# rank-1 column maxima reduced over several rows per program.
+INTERPRET_ROWS = PallasConfig(interpret=True, tile_bytes=256)
+
+# Ragged 2-D (odd last axis, ragged block), 3-D with blocks of several short
+# rows (last axis 20 <= 64) and a 3-D rank-1 second moment, 1-D ragged.
+SHAPES = {"a": (5, 301), "g": (3, 4, 20), "v": (257,)}
+
+B1, B2, MOMENTUM = 0.9, 0.999, 0.9
+
+
+def _params(shapes, dtype=jnp.float32):
+  rng = np.random.RandomState(0)
+  return {k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}
+
+
+def _grads(params, i):
+  key = jax.random.fold_in(jax.random.key(1), i)
+  return {k: (jax.random.normal(jax.random.fold_in(key, n), p.shape) * (1 + n)).astype(p.dtype)
+          for n, (k, p) in enumerate(sorted(params.items()))}
+
+
+# (builder of the scale_by_* transformation, float64 new-moment functions of
+# (grad, old moments) per state field) for each optimizer.
+def _adam_moments(g, old):
+  m, v = old
+  return ((1 - B1) * g + B1 * m, (1 - B2) * g * g + B2 * v)
+
+
+VARIANTS = {
+    "adam": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2), _adam_moments),
+    "adam_nesterov": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2, nesterov=True),
+                      _adam_moments),
+    "adam_b128_v": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2,
+                                      second_moment="B128/Linear"), _adam_moments),
+    "factor": (functools.partial(optax4bit.scale_by_factored_adam_4bit, B1, B2),
+               lambda g, old: ((1 - B1) * g + B1 * old[0],)),
+    "sgdm": (functools.partial(optax4bit.scale_by_momentum_4bit, MOMENTUM, True),
+             lambda g, old: (g + MOMENTUM * old[0],)),
+}
+
+
+def _moments(state):
+  """The quantized moments of a scale_by_* state, per params key."""
+  fields = [f for f in ("mu", "nu", "trace") if hasattr(state, f)]
+  return {k: tuple(getattr(state, f)[k] for f in fields
+                   if isinstance(getattr(state, f)[k], QuantizedArray))
+          for k in getattr(state, fields[0])}
+
+
+def _ulps_of_max(a, b, dtype) -> float:
+  a = np.asarray(a, np.float32)
+  b = np.asarray(b, np.float32)
+  scale = float(np.max(np.abs(a)))
+  if scale == 0:
+    return float(np.max(np.abs(b)))
+  return float(np.max(np.abs(a - b)) / (scale * float(jnp.finfo(dtype).eps)))
+
+
+def _check_codes(new_ref: QuantizedArray, new_pal: QuantizedArray, value64: np.ndarray):
+  """Codes equal except at ties of the float64 new moment."""
+  codes_ref = np.asarray(optax4bit.quant.array.packing.unpack(new_ref.codes, new_ref.shape[-1], 4))
+  codes_pal = np.asarray(optax4bit.quant.array.packing.unpack(new_pal.codes, new_pal.shape[-1], 4))
+  differ = codes_ref != codes_pal
+  if differ.any():
+    scale = np.asarray(normalize.expand_scales(new_ref.scales, new_ref.layout, new_ref.shape),
+                       np.float64)
+    n64 = np.where(scale > 0, value64 / np.where(scale > 0, scale, 1), 0)
+    table = optax4bit.qmap(new_ref.spec.mapping, 4, new_ref.spec.signed)
+    assert near_midpoint(n64, table, ulps=8)[differ].all(), (
+        f"{int(differ.sum())} codes differ away from rounding ties")
+  for a, b in zip(new_ref.scales, new_pal.scales):
+    assert _ulps_of_max(a, b, jnp.float32) <= 2.0
+
+
+def _teacher_forced(variant: str, shapes, dtype=jnp.float32, steps: int = 50,
+                    config: PallasConfig = INTERPRET):
+  """Runs the jnp and Pallas steps from the same (reference) state."""
+  make, new_moments = VARIANTS[variant]
+  tx_ref = make(min_quantize_size=0, implementation="jnp")
+  tx_pal = make(min_quantize_size=0, implementation=config)
+  params = _params(shapes, dtype)
+
+  @jax.jit
+  def both(state, i):
+    grads = _grads(params, i)
+    return grads, tx_ref.update(grads, state), tx_pal.update(grads, state)
+
+  state = tx_ref.init(params)
+  worst_update = 0.0
+  for i in range(steps):
+    old = _moments(state)
+    grads, (u_ref, s_ref), (u_pal, s_pal) = both(state, i)
+    jax.tree.map(lambda a, b: np.testing.assert_equal((a.shape, a.dtype), (b.shape, b.dtype)),
+                 s_ref, s_pal)
+    for k in shapes:
+      worst_update = max(worst_update, _ulps_of_max(u_ref[k], u_pal[k], dtype))
+      g64 = np.asarray(grads[k], np.float64)
+      old64 = [np.asarray(optax4bit.dequantize(q), np.float64) for q in old[k]]
+      values = new_moments(g64, old64)
+      for ref, pal, value in zip(_moments(s_ref)[k], _moments(s_pal)[k], values):
+        _check_codes(ref, pal, value)
+    state = s_ref
+  limit = 4.0 if dtype == jnp.float32 else 1.0
+  assert worst_update <= limit, worst_update
+
+
+def test_adam_teacher_forced_50_steps():
+  _teacher_forced("adam", SHAPES)
+
+
+def test_adamw_free_running_50_steps():
+  """Whole ``adamw_4bit`` chains (weight decay, learning rate), 50 steps each."""
+  params = _params(SHAPES)
+
+  def run(implementation):
+    tx = optax4bit.adamw_4bit(1e-2, weight_decay=1e-2, min_quantize_size=0,
+                              implementation=implementation)
+
+    @jax.jit
+    def step(params, state, i):
+      updates, state = tx.update(_grads(params, i), state, params)
+      return optax.apply_updates(params, updates), state
+
+    p, state = params, tx.init(params)
+    for i in range(50):
+      p, state = step(p, state, i)
+    return p, state
+
+  p_ref, s_ref = run("jnp")
+  p_pal, s_pal = run(INTERPRET)
+  for k in SHAPES:
+    assert _ulps_of_max(p_ref[k], p_pal[k], jnp.float32) <= 2.0, k
+  for a, b in zip(jax.tree.leaves(s_ref), jax.tree.leaves(s_pal)):
+    if a.dtype == jnp.uint8:
+      assert np.mean(np.asarray(a) != np.asarray(b)) < 1e-3
+
+
+@pytest.mark.parametrize("variant", ["adam_b128_v", "factor", "sgdm"])
+def test_variants_teacher_forced(variant):
+  _teacher_forced(variant, {"a": SHAPES["a"]}, steps=10, config=INTERPRET_ROWS)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16])
+def test_half_precision_grads(dtype):
+  _teacher_forced("adam", {"a": SHAPES["a"]}, dtype=dtype, steps=10, config=INTERPRET_ROWS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["adam_nesterov", "adam_b128_v", "factor", "sgdm"])
+def test_variants_teacher_forced_50_steps(variant):
+  _teacher_forced(variant, SHAPES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_50_steps(dtype):
+  _teacher_forced("adam", SHAPES, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------
+# Dispatch.
+
+
+def test_implementation_validation_and_auto():
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    optax4bit.adamw_4bit(1e-3, implementation="triton")
+  with pytest.raises(ValueError, match="tile_bytes"):
+    PallasConfig(tile_bytes=100)
+  assert pallas.resolve("jnp") is None
+  assert pallas.resolve("pallas_interpret") == PallasConfig(interpret=True)
+  assert pallas.resolve("pallas") == PallasConfig()
+  expected = PallasConfig() if jax.default_backend() == "gpu" else None
+  assert pallas.resolve("auto") == expected
+
+
+def _count_pallas_calls(tx, params) -> int:
+  state = tx.init(params)
+  return str(jax.make_jaxpr(tx.update)(params, state, params)).count("pallas_call")
+
+
+def test_dispatch_covers_quantized_leaves_only():
+  params = {"big": jnp.ones((8, 256)), "small": jnp.ones((16,)), "v": jnp.ones((512,))}
+  # Rank-1 v: two passes on the 2-D leaf, one on the 1-D leaf (B128
+  # fallback); the small leaf keeps float32 moments (jnp).
+  assert _count_pallas_calls(optax4bit.adamw_4bit(1e-3, min_quantize_size=64,
+                                                  implementation="pallas_interpret"), params) == 3
+  assert _count_pallas_calls(optax4bit.adamw_4bit(1e-3, min_quantize_size=64,
+                                                  implementation="jnp"), params) == 0
+  if jax.default_backend() != "gpu":
+    assert _count_pallas_calls(optax4bit.adamw_4bit(1e-3, min_quantize_size=64), params) == 0
+  # 8-bit and stochastic rounding have no kernel: the jnp reference runs.
+  assert _count_pallas_calls(optax4bit.adamw_8bit(1e-3, min_quantize_size=64,
+                                                  implementation="pallas_interpret"), params) == 0
+  stochastic = optax4bit.QuantSpec.parse("B128/DE", stochastic=True)
+  assert _count_pallas_calls(optax4bit.adamw_4bit(1e-3, min_quantize_size=64,
+                                                  first_moment=stochastic,
+                                                  implementation="pallas_interpret"), params) == 0
+  assert _count_pallas_calls(optax4bit.sgdm_4bit(1e-3, min_quantize_size=64,
+                                                 implementation="pallas_interpret"), params) == 2
+
+
+def test_inject_hyperparams_keeps_pallas():
+  params = {"w": jnp.ones((8, 256))}
+  tx = optax4bit.inject_hyperparams(optax4bit.adamw_4bit)(
+      learning_rate=1e-3, min_quantize_size=0, implementation="pallas_interpret")
+  ref = optax4bit.inject_hyperparams(optax4bit.adamw_4bit)(
+      learning_rate=1e-3, min_quantize_size=0, implementation="jnp")
+  grads = _grads(params, 0)
+  u_pal, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  u_ref, _ = jax.jit(ref.update)(grads, ref.init(params), params)
+  assert _ulps_of_max(u_ref["w"], u_pal["w"], jnp.float32) <= 4
+
+
+def test_module_doctests():
+  from optax4bit.pallas import dispatch, quant  # pylint: disable=import-outside-toplevel
+  for module in (dispatch, quant):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+# ----------------------------------------------------------------------------
+# CUDA lowering of whole optimizer updates (no GPU needed).
+
+
+def _export_cuda(fn, *args):
+  return jax.export.export(
+      jax.jit(fn), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(*args)
+
+
+OPTIMIZERS = {
+    "adamw": lambda: optax4bit.adamw_4bit(1e-3, min_quantize_size=0, implementation="pallas"),
+    "adamw_nesterov": lambda: optax4bit.adamw_4bit(1e-3, min_quantize_size=0, nesterov=True,
+                                                   implementation="pallas"),
+    "adamw_b128_v": lambda: optax4bit.adamw_4bit(1e-3, min_quantize_size=0,
+                                                 second_moment="B128/Linear",
+                                                 implementation="pallas"),
+    "factor": lambda: optax4bit.adamw_4bit_factor(1e-3, min_quantize_size=0,
+                                                  implementation="pallas"),
+    "sgdm": lambda: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0, nesterov=True,
+                                        implementation="pallas"),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_update_lowers_for_cuda(name, dtype):
+  params = {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
+  tx = OPTIMIZERS[name]()
+  state = tx.init(params)
+  exported = _export_cuda(tx.update, params, state, params)
+  assert "__gpu$xla.gpu.triton" in exported.mlir_module()

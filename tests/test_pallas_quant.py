@@ -1,0 +1,181 @@
+"""Standalone Pallas quantize/dequantize kernels against the jnp reference.
+
+Interpret mode runs the kernels on the CPU; every comparison here is bit for
+bit (the quantizers involve no arithmetic that XLA could contract or
+re-associate). The CUDA lowering tests export the kernels for ``cuda`` with
+``jax.export`` on this CPU-only machine, so Pallas/Triton lowering errors fail
+CI without a GPU (errors inside Triton's own compiler passes only show on a
+GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax4bit
+from optax4bit import pallas
+from optax4bit.pallas import _engine
+from optax4bit.quant.spec import QuantSpec, as_spec
+
+# Small tiles so that tiny shapes still run several programs along both grid
+# axes (and ragged edge tiles).
+TILE = 64
+
+
+def _spec(name: str) -> QuantSpec:
+  return as_spec(name, signed=None if name.endswith("/DE") else False)
+
+
+def _data(shape, dtype, signed, seed=0):
+  x = np.random.RandomState(seed).standard_normal(shape) * 3
+  x = x if signed else np.abs(x)
+  return jnp.asarray(x, dtype)
+
+
+def _assert_same(q, ref):
+  assert q.spec == ref.spec and q.shape == ref.shape and q.dtype == ref.dtype
+  np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes))
+  assert len(q.scales) == len(ref.scales)
+  for a, b in zip(q.scales, ref.scales):
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# (shape, spec): ragged last blocks, odd last axes, blocks of several short
+# rows (axis -1 <= half a block), 1-D (rank-1 falls back to B128), 3-D rank-1,
+# tensor scales, blocks larger than the tile segment.
+CASES = [
+    ((5, 301), "B128/DE"),
+    ((3, 4, 20), "B128/DE"),
+    ((257,), "Rank-1/Linear"),
+    ((5, 301), "Rank-1/Linear"),
+    ((3, 5, 70), "Rank-1/DE-0"),
+    ((6, 33), "Tensor/Linear"),
+    ((4, 300), "B256/DE"),
+]
+
+
+@pytest.mark.parametrize("shape,name", CASES)
+def test_quantize_matches_reference(shape, name):
+  spec = _spec(name)
+  x = _data(shape, jnp.float32, spec.signed)
+  q = jax.jit(lambda x: pallas.quantize(x, spec, interpret=True, tile_bytes=TILE))(x)
+  _assert_same(q, optax4bit.quantize(x, spec))
+
+
+@pytest.mark.parametrize("name", ["B128/DE", "Rank-1/Linear"])
+def test_quantize_multi_row_tiles(name):
+  """Tiles of 4 rows (ragged second row tile of a 5-row leaf)."""
+  spec = _spec(name)
+  x = _data((5, 301), jnp.float32, spec.signed)
+  _assert_same(pallas.quantize(x, spec, interpret=True, tile_bytes=256),
+               optax4bit.quantize(x, spec))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_quantize_half_precision_input(dtype):
+  x = _data((3, 130), dtype, True)
+  q = pallas.quantize(x, "B128/DE", interpret=True, tile_bytes=TILE)
+  _assert_same(q, optax4bit.quantize(x, "B128/DE"))
+
+
+def test_quantize_zero_blocks_and_non_finite():
+  x = np.array(_data((4, 256), jnp.float32, True))
+  x[1] = 0.0  # an all-zero row: scale 0, dequantizes to exact zeros
+  x[2, 3], x[2, 200], x[3, 7] = np.inf, -np.inf, np.nan
+  x = jnp.asarray(x)
+  for name in ("B128/DE", "Rank-1/Linear"):
+    spec = _spec(name)
+    xs = x if spec.signed else jnp.abs(x)
+    q = pallas.quantize(xs, spec, interpret=True, tile_bytes=TILE)
+    _assert_same(q, optax4bit.quantize(xs, spec))
+
+
+def test_quantize_extreme_scales():
+  """Scales above 2**126 (reciprocal subnormal) and tiny scales."""
+  x = np.array(_data((4, 256), jnp.float32, True))
+  x[0] *= 1e37
+  x[1] *= 1e-36
+  x = jnp.asarray(x)
+  for name in ("B128/DE", "Rank-1/Linear"):
+    spec = _spec(name)
+    xs = x if spec.signed else jnp.abs(x)
+    _assert_same(pallas.quantize(xs, spec, interpret=True, tile_bytes=TILE),
+                 optax4bit.quantize(xs, spec))
+
+
+@pytest.mark.parametrize("shape,name", [((5, 301), "B128/DE"), ((3, 4, 20), "B128/DE"),
+                                        ((3, 5, 70), "Rank-1/Linear"), ((257,), "Rank-1/DE-0")])
+def test_dequantize_matches_reference(shape, name):
+  spec = _spec(name)
+  q = optax4bit.quantize(_data(shape, jnp.float32, spec.signed), spec)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    out = pallas.dequantize(q, dtype, interpret=True, tile_bytes=TILE)
+    assert out.dtype == dtype and out.shape == shape
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(optax4bit.dequantize(q, dtype)))
+
+
+def test_unsupported_specs_raise():
+  x = jnp.ones((4, 256))
+  with pytest.raises(ValueError, match="4-bit only"):
+    pallas.quantize(x, QuantSpec("block", "DE", bits=8, signed=True, block_size=256),
+                    interpret=True)
+  with pytest.raises(ValueError, match="stochastic"):
+    pallas.quantize(x, QuantSpec.parse("B128/DE", stochastic=True), interpret=True)
+  with pytest.raises(ValueError, match="floating-point"):
+    pallas.quantize(jnp.ones((4, 4), jnp.int32), "B128/DE", interpret=True)
+  with pytest.raises(ValueError, match="QuantizedArray"):
+    pallas.dequantize(x, interpret=True)
+
+
+def test_tiling_is_power_of_two_and_covers_the_leaf():
+  for shape, names in [((5, 301), ["B128/DE", "Rank-1/Linear"]), ((257,), ["B128/DE"]),
+                       ((3, 4, 20), ["B128/DE"]), ((7, 1), ["Rank-1/Linear"]),
+                       ((1000, 4096), ["B2048/DE", "B128/Linear"])]:
+    specs = [_spec(n) for n in names]
+    geo = _engine.geometry(shape, specs)
+    for n in geo.tile:
+      assert n & (n - 1) == 0
+    rows_covered = geo.grid[0] * geo.rows_per_tile
+    bytes_covered = geo.grid[1] * geo.segs_per_tile * geo.seg
+    assert rows_covered >= geo.rows and bytes_covered >= geo.half
+    assert geo.rows_per_tile * geo.segs_per_tile * geo.seg <= _engine.DEFAULT_TILE_BYTES
+  # A large matrix: 32 rows per tile, so the rank-1 column maxima of pass 1
+  # take 4 / 32 bytes per element, not a leaf-sized float32 buffer.
+  geo = _engine.geometry((4096, 4096), [_spec("B128/DE"), _spec("Rank-1/Linear")])
+  assert geo.tile == (32, 1, 64)
+
+
+# ----------------------------------------------------------------------------
+# CUDA lowering (no GPU needed).
+
+
+def export_cuda(fn, *args):
+  """Lowers ``fn`` for CUDA through Pallas' Triton backend, on any machine."""
+  return jax.export.export(
+      jax.jit(fn), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(*args)
+
+
+def _triton_calls(exported) -> int:
+  return exported.mlir_module().count("stablehlo.custom_call @__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,passes", [("B128/DE", 1), ("Rank-1/Linear", 2),
+                                         ("B2048/DE", 2), ("Tensor/Linear", 2)])
+def test_quantize_lowers_for_cuda(name, passes, dtype):
+  x = jnp.zeros((5, 301), dtype)
+  exported = export_cuda(lambda x: pallas.quantize(x, name), x)
+  assert _triton_calls(exported) == passes
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dequantize_lowers_for_cuda(dtype):
+  for shape, name in [((5, 301), "B128/DE"), ((3, 4, 20), "B128/DE"), ((5, 301), "Rank-1/Linear")]:
+    q = optax4bit.quantize(jnp.ones(shape), _spec(name))
+    assert _triton_calls(export_cuda(lambda q: pallas.dequantize(q, dtype), q)) == 1
