@@ -17,6 +17,7 @@ from optax4bit.alias import (
     sgdm_4bit,
 )
 from optax4bit.quant import QuantizedArray, QuantSpec, dequantize, qmap, quantize
+from optax4bit.sharding import shard_optimizer, state_partition_spec, state_shardings
 from optax4bit.transform import (
     FactoredMoment,
     ScaleByAdam4bitState,
@@ -27,13 +28,23 @@ from optax4bit.transform import (
     scale_by_momentum_4bit,
     state_nbytes,
 )
+from optax4bit.wrappers import (
+    KNOWN_STATE_FIELDS,
+    QuantizedState,
+    ademamix_4bit,
+    lion_4bit,
+    quantize_state,
+)
+from optax4bit import diagnostics  # submodule; its plots import matplotlib lazily
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FactoredMoment",
+    "KNOWN_STATE_FIELDS",
     "QuantSpec",
     "QuantizedArray",
+    "QuantizedState",
     "ScaleByAdam4bitState",
     "ScaleByFactoredAdam4bitState",
     "ScaleByMomentum4bitState",
@@ -41,13 +52,20 @@ __all__ = [
     "adamw_4bit",
     "adamw_4bit_factor",
     "adamw_8bit",
+    "ademamix_4bit",
     "dequantize",
+    "diagnostics",
     "inject_hyperparams",
+    "lion_4bit",
     "qmap",
     "quantize",
+    "quantize_state",
     "scale_by_adam_4bit",
     "scale_by_factored_adam_4bit",
     "scale_by_momentum_4bit",
     "sgdm_4bit",
+    "shard_optimizer",
     "state_nbytes",
+    "state_partition_spec",
+    "state_shardings",
 ]

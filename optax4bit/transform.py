@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -11,6 +12,8 @@ import numpy as np
 import optax
 
 from optax4bit import _leafwise
+from optax4bit import sharding as _sharding
+from optax4bit.pallas import dispatch as _pallas
 from optax4bit.quant import array as qarray
 from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.spec import QuantSpec, SpecLike, as_spec
@@ -89,9 +92,10 @@ def check_hyperparam(name: str, value, *, low=None, high=None, low_open=False,
 
 
 def check_static_int(name: str, value, *, minimum: int = 0) -> int:
-  if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, jax.core.Tracer):
-    if value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
-      value = int(value)
+  # numpy scalars are Integral; a jax array is refused even when concrete, so
+  # that optax.inject_hyperparams without static_args fails at init already.
+  if isinstance(value, np.ndarray) and value.ndim == 0 and np.issubdtype(value.dtype, np.integer):
+    value = int(value)
   if not isinstance(value, numbers.Integral) or isinstance(value, bool):
     hint = ""
     if isinstance(value, jax.Array):
@@ -128,14 +132,36 @@ def _quantizable(leaf, eligible: bool, min_quantize_size: int) -> bool:
           and int(np.prod(leaf.shape)) > min_quantize_size)
 
 
+def _is_array_like(x) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _state_treedef(tree, num_leaves: int):
+  """Structure of the per-leaf state of ``tree``: pytree nodes that wrap one
+  array and expose ``shape``/``dtype`` (e.g. ``flax.nnx.Variable``) are
+  dropped, so a moment is a plain `QuantizedArray` or array. (Flax's
+  ``nnx.Optimizer`` rebuilds a Variable's value from its array leaves, which
+  would turn a `QuantizedArray` inside a Variable into a dict.)"""
+  treedef = jax.tree.structure(tree, is_leaf=_is_array_like)
+  return treedef if treedef.num_leaves == num_leaves else jax.tree.structure(tree)
+
+
+def _flatten_params(params) -> tuple:
+  """Array leaves of ``params`` and the structure of their per-leaf state."""
+  leaves = jax.tree.leaves(params)
+  return leaves, _state_treedef(params, len(leaves))
+
+
 def _flatten_like(updates, trees: dict) -> tuple:
   """Flattens ``updates`` and each state tree up to its structure, with clear
-  errors when they do not match."""
+  errors when they do not match. Returns the leaves, the structure of the
+  updates and that of the state (see `_state_treedef`), and the flat states."""
   paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  state_treedef = _state_treedef(updates, len(paths_and_leaves))
   flat = {}
   for name, tree in trees.items():
     try:
-      flat[name] = treedef.flatten_up_to(tree)
+      flat[name] = state_treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as e:
       raise ValueError(
           f"the updates do not have the structure of the optimizer state's {name!r} (the params "
@@ -149,7 +175,7 @@ def _flatten_like(updates, trees: dict) -> tuple:
         raise ValueError(
             f"update at {jax.tree_util.keystr(path)} has shape {tuple(g.shape)} but the optimizer "
             f"state's {name!r} there has shape {tuple(shape)}.")
-  return [g for _, g in paths_and_leaves], treedef, flat
+  return [g for _, g in paths_and_leaves], treedef, state_treedef, flat
 
 
 def _leaf_keys(seed, count, num_leaves: int, num_moments: int, stochastic: bool):
@@ -161,9 +187,16 @@ def _leaf_keys(seed, count, num_leaves: int, num_moments: int, stochastic: bool)
 
 
 def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=jnp.float32):
+  """Zero moment of ``leaf``, sharded like it when its sharding is known
+  (see `optax4bit.sharding`)."""
   if spec is None:
-    return jnp.zeros(leaf.shape, dtype)
-  return qarray.zeros(tuple(leaf.shape), jnp.float32, spec)
+    return _sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, dtype))
+  return _sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), jnp.float32, spec))
+
+
+def _zeros_factored(shape: tuple) -> FactoredMoment:
+  return FactoredMoment(jnp.zeros(shape[:-1] + (1,), jnp.float32),
+                        jnp.zeros(shape[:-2] + (1,) + shape[-1:], jnp.float32))
 
 
 def _chunk_size(chunk_size) -> int:
@@ -183,7 +216,13 @@ _QUANT_ARGS_DOC = """first_moment: quantizer of the first moment: a name such as
       ``stochastic=True``); the key of a step is derived from it and the step
       count, so runs are reproducible.
     chunk_size: leaves larger than this many elements are updated in chunks
-      of rows, bounding the transient memory of the update (default 2**20)."""
+      of rows, bounding the transient memory of the update (default 2**18).
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the jnp
+      reference elsewhere), ``"jnp"``, ``"pallas"``, ``"pallas_interpret"``
+      (the kernels in Pallas interpret mode, any backend) or an
+      ``optax4bit.pallas.PallasConfig``; see `optax4bit.pallas.dispatch`.
+      Leaves the kernels do not cover (float32, 8-bit, stochastic rounding)
+      always use the jnp reference."""
 
 
 # ----------------------------------------------------------------------------
@@ -204,6 +243,7 @@ def scale_by_adam_4bit(
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
+    implementation: _pallas.Implementation = "auto",
 ) -> optax.GradientTransformation:
   """Rescales updates by the Adam rule with both moments stored quantized.
 
@@ -228,12 +268,12 @@ def scale_by_adam_4bit(
     An ``optax.GradientTransformation`` with `ScaleByAdam4bitState`.
 
   Example:
-    >>> import jax.numpy as jnp, optax, optax4bit
+    >>> import jax, jax.numpy as jnp, optax, optax4bit
     >>> tx = optax.chain(optax4bit.scale_by_adam_4bit(min_quantize_size=0),
     ...                  optax.scale(-1e-3))
     >>> params = {{"w": jnp.ones((256, 256))}}
     >>> state = tx.init(params)
-    >>> updates, state = tx.update({{"w": jnp.full((256, 256), 0.5)}}, state)
+    >>> updates, state = jax.jit(tx.update)({{"w": jnp.full((256, 256), 0.5)}}, state)
     >>> round(float(updates["w"][0, 0]), 6)
     -0.001
   """
@@ -245,12 +285,13 @@ def scale_by_adam_4bit(
   v_spec = as_spec(second_moment, argname="second_moment", signed=False)
   min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
   chunk = _chunk_size(chunk_size)
+  implementation = _pallas.check_implementation(implementation)
   mu_dtype = jnp.float32 if mu_dtype is None else jnp.dtype(mu_dtype)
   stochastic = m_spec.stochastic or v_spec.stochastic
 
   def init_fn(params):
     flags = _resolve_mask(quantize_mask, params, "quantize_mask")
-    leaves, treedef = jax.tree.flatten(params)
+    leaves, treedef = _flatten_params(params)
     quantized = [_quantizable(p, f, min_quantize_size) for p, f in zip(leaves, flags)]
     mu = [_zeros_moment(p, m_spec if q else None, mu_dtype) for p, q in zip(leaves, quantized)]
     nu = [_zeros_moment(p, v_spec if q else None) for p, q in zip(leaves, quantized)]
@@ -259,18 +300,23 @@ def scale_by_adam_4bit(
 
   def update_fn(updates, state, params=None):
     del params
-    grads, treedef, flat = _flatten_like(updates, {"mu": state.mu, "nu": state.nu})
+    grads, treedef, state_def, flat = _flatten_like(updates, {"mu": state.mu, "nu": state.nu})
     count_inc = optax.safe_increment(state.count)
     step = adam_step(b1, b2, eps, eps_root, count_inc, nesterov)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
+    fused = _pallas.fused_steps(implementation)
+
     def leaf_fn(g, m, v, k):
+      out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, nesterov)
+      if out:
+        return out
       return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk)
 
     results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
     new_updates = treedef.unflatten([u for u, _ in results])
-    mu = treedef.unflatten([m for _, (m, _) in results])
-    nu = treedef.unflatten([v for _, (_, v) in results])
+    mu = state_def.unflatten([m for _, (m, _) in results])
+    nu = state_def.unflatten([v for _, (_, v) in results])
     return new_updates, ScaleByAdam4bitState(count_inc, mu, nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -281,21 +327,25 @@ def adam_step(b1, b2, eps, eps_root, count_inc, nesterov):
   correction1 = 1 - b1**count_inc
   correction2 = 1 - b2**count_inc
   correction1_next = 1 - b1**optax.safe_increment(count_inc)
+  # A partial of a module-level function, not a closure: the engine passes
+  # its traced arguments into shard_map explicitly (see _leafwise.update_leaf).
+  return functools.partial(_adam_step, b1, b2, eps, eps_root, correction1, correction2,
+                           correction1_next, nesterov)
 
-  def step(g, old, side):
-    del side
-    m, v = old
-    m = (1 - b1) * g + b1 * m
-    v = (1 - b2) * (g * g) + b2 * v
-    if nesterov:
-      m_hat = b1 * (m / correction1_next.astype(m.dtype)) + (1 - b1) * (
-          g / correction1.astype(g.dtype))
-    else:
-      m_hat = m / correction1.astype(m.dtype)
-    v_hat = v / correction2.astype(v.dtype)
-    return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m, v)
 
-  return step
+def _adam_step(b1, b2, eps, eps_root, correction1, correction2, correction1_next, nesterov,
+               g, old, side):
+  del side
+  m, v = old
+  m = (1 - b1) * g + b1 * m
+  v = (1 - b2) * (g * g) + b2 * v
+  if nesterov:
+    m_hat = b1 * (m / correction1_next.astype(m.dtype)) + (1 - b1) * (
+        g / correction1.astype(g.dtype))
+  else:
+    m_hat = m / correction1.astype(m.dtype)
+  v_hat = v / correction2.astype(v.dtype)
+  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m, v)
 
 
 scale_by_adam_4bit.__doc__ = scale_by_adam_4bit.__doc__.format(quant_args=_QUANT_ARGS_DOC)
@@ -305,11 +355,28 @@ scale_by_adam_4bit.__doc__ = scale_by_adam_4bit.__doc__.format(quant_args=_QUANT
 # Adam with a factored second moment ("4-bit Factor").
 
 
-def _factored_second_moment(g32, old: FactoredMoment, b2):
-  g2 = g32 * g32
-  row = b2 * old.row + (1 - b2) * jnp.mean(g2, axis=-1, keepdims=True)
-  col = b2 * old.col + (1 - b2) * jnp.mean(g2, axis=-2, keepdims=True)
-  return FactoredMoment(row, col)
+def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size):
+  """New row/column EMAs of the means of ``g**2`` over the last two axes.
+
+  Returns the gradient as threaded through the chunked reduction (see
+  `_leafwise.grad_sums`) and the new `FactoredMoment`.
+  """
+  def sums(g):
+    g2 = g * g
+    # A non-finite gradient element counts as 0 in the row/column means:
+    # otherwise one NaN would poison its whole row and column factor for good.
+    g2 = jnp.where(jnp.isfinite(g2), g2, 0)
+    row = jnp.sum(g2, axis=-1, keepdims=True)
+    col = jnp.sum(g2, axis=-2, keepdims=True)
+    # For 2-D leaves the chunks split axis -2: column sums add up over chunks.
+    return ((row,), (col,)) if g.ndim == 2 else ((row, col), ())
+
+  grad, row_stats, totals = _leafwise.grad_sums(grad, sums, chunk_size)
+  row_sum = row_stats[0]
+  col_sum = totals[0] if grad.ndim == 2 else row_stats[1]
+  row = b2 * old.row + (1 - b2) * (row_sum / grad.shape[-1])
+  col = b2 * old.col + (1 - b2) * (col_sum / grad.shape[-2])
+  return grad, FactoredMoment(row, col)
 
 
 def scale_by_factored_adam_4bit(
@@ -324,6 +391,7 @@ def scale_by_factored_adam_4bit(
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
+    implementation: _pallas.Implementation = "auto",
 ) -> optax.GradientTransformation:
   """Adam with a quantized first moment and a factored second moment.
 
@@ -361,18 +429,18 @@ def scale_by_factored_adam_4bit(
   v_spec = as_spec(second_moment, argname="second_moment", signed=False)
   min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
   chunk = _chunk_size(chunk_size)
+  implementation = _pallas.check_implementation(implementation)
   stochastic = m_spec.stochastic or v_spec.stochastic
 
   def init_fn(params):
     flags = _resolve_mask(quantize_mask, params, "quantize_mask")
-    leaves, treedef = jax.tree.flatten(params)
+    leaves, treedef = _flatten_params(params)
     mu, nu = [], []
     for p, flag in zip(leaves, flags):
       quantized = _quantizable(p, flag, min_quantize_size)
       mu.append(_zeros_moment(p, m_spec if quantized else None))
       if quantized and len(p.shape) >= 2:
-        nu.append(FactoredMoment(jnp.zeros(p.shape[:-1] + (1,), jnp.float32),
-                                 jnp.zeros(p.shape[:-2] + (1,) + p.shape[-1:], jnp.float32)))
+        nu.append(_sharding.follow_param(p, functools.partial(_zeros_factored, p.shape)))
       else:
         nu.append(_zeros_moment(p, v_spec if quantized else None))
     return ScaleByFactoredAdam4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(mu),
@@ -380,36 +448,33 @@ def scale_by_factored_adam_4bit(
 
   def update_fn(updates, state, params=None):
     del params
-    grads, treedef, flat = _flatten_like(updates, {"mu": state.mu, "nu": state.nu})
+    grads, treedef, state_def, flat = _flatten_like(updates, {"mu": state.mu, "nu": state.nu})
     count_inc = optax.safe_increment(state.count)
     adam = adam_step(b1, b2, eps, eps_root, count_inc, False)
     correction1 = 1 - b1**count_inc
     correction2 = 1 - b2**count_inc
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    def factored_step(g, old, side):
-      (m,) = old
-      row, col, row_mean = side
-      m = (1 - b1) * g + b1 * m
-      positive = row_mean > 0
-      v = jnp.where(positive, row * col / jnp.where(positive, row_mean, 1), 0)
-      m_hat = m / correction1.astype(m.dtype)
-      v_hat = v / correction2.astype(v.dtype)
-      return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m,)
+    factored_step = functools.partial(_factored_step, b1, eps, eps_root, correction1,
+                                      correction2)
+
+    fused = _pallas.fused_steps(implementation)
 
     def leaf_fn(g, m, v, k):
       if not isinstance(v, FactoredMoment):
-        return _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk)
-      v = _factored_second_moment(g.astype(jnp.float32), v, b2)
+        out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, False)
+        return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk)
+      g, v = _factored_second_moment(g, v, b2, chunk)
       side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
-      update, (m,) = _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
-                                           chunk_size=chunk)
+      out = fused and fused.factored(g, m, side, b1, b2, eps, eps_root, count_inc)
+      update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
+                                                  chunk_size=chunk)
       return update, (m, v)
 
     results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
     new_updates = treedef.unflatten([u for u, _ in results])
-    mu = treedef.unflatten([m for _, (m, _) in results])
-    nu = treedef.unflatten([v for _, (_, v) in results])
+    mu = state_def.unflatten([m for _, (m, _) in results])
+    nu = state_def.unflatten([v for _, (_, v) in results])
     return new_updates, ScaleByFactoredAdam4bitState(count_inc, mu, nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -417,6 +482,17 @@ def scale_by_factored_adam_4bit(
 
 scale_by_factored_adam_4bit.__doc__ = scale_by_factored_adam_4bit.__doc__.format(
     quant_args=_QUANT_ARGS_DOC)
+
+
+def _factored_step(b1, eps, eps_root, correction1, correction2, g, old, side):
+  (m,) = old
+  row, col, row_mean = side
+  m = (1 - b1) * g + b1 * m
+  positive = row_mean > 0
+  v = jnp.where(positive, row * col / jnp.where(positive, row_mean, 1), 0)
+  m_hat = m / correction1.astype(m.dtype)
+  v_hat = v / correction2.astype(v.dtype)
+  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m,)
 
 
 # ----------------------------------------------------------------------------
@@ -432,6 +508,7 @@ def scale_by_momentum_4bit(
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
+    implementation: _pallas.Implementation = "auto",
 ) -> optax.GradientTransformation:
   """Heavy-ball momentum (``optax.trace``) with a quantized buffer.
 
@@ -447,10 +524,10 @@ def scale_by_momentum_4bit(
     An ``optax.GradientTransformation`` with `ScaleByMomentum4bitState`.
 
   Example:
-    >>> import jax.numpy as jnp, optax4bit
+    >>> import jax, jax.numpy as jnp, optax4bit
     >>> tx = optax4bit.scale_by_momentum_4bit(0.9, min_quantize_size=0)
     >>> state = tx.init({{"w": jnp.zeros((8, 128))}})
-    >>> updates, state = tx.update({{"w": jnp.ones((8, 128))}}, state)
+    >>> updates, state = jax.jit(tx.update)({{"w": jnp.ones((8, 128))}}, state)
     >>> float(updates["w"][0, 0])
     1.0
   """
@@ -458,32 +535,32 @@ def scale_by_momentum_4bit(
   spec = as_spec(first_moment, argname="first_moment", signed=True)
   min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
   chunk = _chunk_size(chunk_size)
+  implementation = _pallas.check_implementation(implementation)
 
   def init_fn(params):
     flags = _resolve_mask(quantize_mask, params, "quantize_mask")
-    leaves, treedef = jax.tree.flatten(params)
+    leaves, treedef = _flatten_params(params)
     trace = [_zeros_moment(p, spec if _quantizable(p, f, min_quantize_size) else None)
              for p, f in zip(leaves, flags)]
     return ScaleByMomentum4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(trace))
 
   def update_fn(updates, state, params=None):
     del params
-    grads, treedef, flat = _flatten_like(updates, {"trace": state.trace})
+    grads, treedef, state_def, flat = _flatten_like(updates, {"trace": state.trace})
     count_inc = optax.safe_increment(state.count)
     keys = _leaf_keys(seed, count_inc, len(grads), 1, spec.stochastic)
 
-    def step(g, old, side):
-      del side
-      (t,) = old
-      t = g + momentum * t
-      return (g + momentum * t if nesterov else t), (t,)
+    step = functools.partial(_momentum_step, momentum, nesterov)
+
+    fused = _pallas.fused_steps(implementation)
 
     def leaf_fn(g, t, k):
-      return _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk)
+      out = fused and fused.momentum(g, t, momentum, nesterov)
+      return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk)
 
     results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys)
     new_updates = treedef.unflatten([u for u, _ in results])
-    trace = treedef.unflatten([t for _, (t,) in results])
+    trace = state_def.unflatten([t for _, (t,) in results])
     return new_updates, ScaleByMomentum4bitState(count_inc, trace)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -491,6 +568,13 @@ def scale_by_momentum_4bit(
 
 scale_by_momentum_4bit.__doc__ = scale_by_momentum_4bit.__doc__.format(
     quant_args=_QUANT_ARGS_DOC)
+
+
+def _momentum_step(momentum, nesterov, g, old, side):
+  del side
+  (t,) = old
+  t = g + momentum * t
+  return (g + momentum * t if nesterov else t), (t,)
 
 
 # ----------------------------------------------------------------------------
