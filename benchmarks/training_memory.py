@@ -1,0 +1,331 @@
+"""Training-step memory of GPT-like models and the largest model per budget.
+
+Compile-only: nothing the size of the model is ever allocated. Parameters are
+``jax.ShapeDtypeStruct``s, the optimizer state comes from
+``jax.eval_shape(tx.init, params)``, and the whole training step (forward,
+backward, optimizer update, parameter update; params and optimizer state
+donated) is compiled with
+``jax.jit(train_step, donate_argnums=(0, 1)).lower(...).compile()``. Its
+``memory_analysis()`` gives
+
+* arguments: params + optimizer state + the token batch,
+* outputs: new params + new optimizer state + loss (aliased to the donated
+  arguments: ``alias``),
+* temp: everything else alive during the step: gradients, activations kept for
+  the backward pass, and the optimizer's transient buffers,
+
+and the step's total is ``arguments + outputs - alias + temp``.
+
+The model: a GPT-2-style pre-norm decoder (learned positions, tied embedding,
+vocabulary 50304, sequence 1024, batch 4), its layers stacked and run with
+``jax.lax.scan`` under ``jax.checkpoint`` (activation checkpointing per layer,
+as large models are trained; compile time does not grow with depth). Params
+and gradients are float32. Leaves with at most 4096 elements keep fp32 moments
+(the paper's rule), the rest are quantized.
+
+Largest model: the family ``n_layer = k``, ``d_model = 128 k``, ``k`` heads of
+128 (the shape of GPT-3 6.7B at k = 32), searched over integer k for the
+largest total that fits each budget (24 GB and 80 GB; GB = 1e9 bytes): a
+bracket guessed from the bytes per parameter at k = 32, widened until it
+holds, then bisected; the answer k (fits) and k + 1 (does not) are both
+compiled, so every reported figure is a compiled one.
+The figures are from the CPU compiler of this machine (XLA's buffer
+assignment for the CPU backend); a GPU compiler fuses differently, so read
+them as estimates of a GPU's footprint, without framework overhead.
+
+Usage:
+  python benchmarks/training_memory.py                 # both tables
+  python benchmarks/training_memory.py --budgets 24 80 --skip-table
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import optax4bit  # pylint: disable=wrong-import-position
+
+GB = 1e9
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_4bit_factor")
+LABELS = {"adamw": "fp32 AdamW (optax)", "adamw_8bit": "8-bit AdamW",
+          "adamw_4bit": "4-bit AdamW", "adamw_4bit_factor": "4-bit Factor"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  name: str
+  n_layer: int
+  d_model: int
+  n_head: int
+  vocab: int = 50304
+  seq_len: int = 1024
+  batch: int = 4
+
+  @property
+  def n_params(self) -> int:
+    d, L = self.d_model, self.n_layer
+    per_layer = 12 * d * d + 13 * d  # qkv, proj, fc1, fc2 (+ biases), two layer norms
+    return L * per_layer + self.vocab * d + self.seq_len * d + 2 * d
+
+
+def family(k: int, seq_len: int = 1024, batch: int = 4) -> GPTConfig:
+  """The search family: k layers, d_model 128 k, k heads of 128."""
+  return GPTConfig(f"k={k}", k, 128 * k, k, seq_len=seq_len, batch=batch)
+
+
+TABLE_CONFIGS = (
+    GPTConfig("GPT-2 124M", 12, 768, 12),
+    GPTConfig("GPT-2 1.5B", 48, 1600, 25),
+    dataclasses.replace(family(32), name="6.7B (k=32: 32 x 4096)"),
+)
+# The search starts from the bytes per parameter measured at this k.
+ANCHOR_K = 32
+
+
+def param_shapes(cfg: GPTConfig, dtype=jnp.float32) -> dict:
+  d, L, f = cfg.d_model, cfg.n_layer, 4 * cfg.d_model
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  return {
+      "wte": s(cfg.vocab, d), "wpe": s(cfg.seq_len, d),
+      "layers": {
+          "ln1_g": s(L, d), "ln1_b": s(L, d),
+          "qkv_w": s(L, d, 3 * d), "qkv_b": s(L, 3 * d),
+          "proj_w": s(L, d, d), "proj_b": s(L, d),
+          "ln2_g": s(L, d), "ln2_b": s(L, d),
+          "fc1_w": s(L, d, f), "fc1_b": s(L, f),
+          "fc2_w": s(L, f, d), "fc2_b": s(L, d),
+      },
+      "lnf_g": s(d), "lnf_b": s(d),
+  }
+
+
+def _layer_norm(x, g, b):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+
+
+def loss_fn(params, tokens, cfg: GPTConfig):
+  x_tokens, y = tokens[:, :-1], tokens[:, 1:]
+  b, t = x_tokens.shape
+  h, d = cfg.n_head, cfg.d_model
+  x = params["wte"][x_tokens] + params["wpe"][:t][None]
+
+  def layer(x, p):
+    z = _layer_norm(x, p["ln1_g"], p["ln1_b"]) @ p["qkv_w"] + p["qkv_b"]
+    q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(z, 3, axis=-1))
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+    x = x + a @ p["proj_w"] + p["proj_b"]
+    z = jax.nn.gelu(_layer_norm(x, p["ln2_g"], p["ln2_b"]) @ p["fc1_w"] + p["fc1_b"])
+    return x + z @ p["fc2_w"] + p["fc2_b"], None
+
+  x, _ = jax.lax.scan(jax.checkpoint(layer), x, params["layers"])
+  logits = _layer_norm(x, params["lnf_g"], params["lnf_b"]) @ params["wte"].T
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_optimizer(name: str) -> optax.GradientTransformation:
+  if name == "adamw":
+    return optax.adamw(1e-4)
+  return getattr(optax4bit, name)(1e-4)
+
+
+def step_memory(cfg: GPTConfig, opt_name: str) -> dict:
+  """Compiles one training step and returns its memory (bytes) and compile time."""
+  tx = make_optimizer(opt_name)
+  params = param_shapes(cfg)
+  opt_state = jax.eval_shape(tx.init, params)
+  tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32)
+
+  def train_step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, cfg)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  start = time.perf_counter()
+  compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, opt_state,
+                                                              tokens).compile()
+  seconds = time.perf_counter() - start
+  m = compiled.memory_analysis()
+  param_bytes = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params))
+  state_bytes = optax4bit.state_nbytes(opt_state)
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+           + m.temp_size_in_bytes)
+  return {"config": dataclasses.asdict(cfg), "optimizer": opt_name, "params": cfg.n_params,
+          "param_bytes": param_bytes, "state_bytes": state_bytes,
+          "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+          "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
+          "total_bytes": total, "compile_s": seconds}
+
+
+class MemoryCache:
+  """Compiled step memory per (optimizer, layers, d_model, heads, seq, batch)."""
+
+  def __init__(self, log):
+    self.results, self.log = {}, log
+
+  def __call__(self, cfg: GPTConfig, opt_name: str) -> dict:
+    key = (opt_name,) + dataclasses.astuple(cfg)[1:]
+    if key not in self.results:
+      r = step_memory(cfg, opt_name)
+      self.results[key] = r
+      self.log(f"    {LABELS[opt_name]}, {cfg.n_layer} x {cfg.d_model}: "
+               f"{r['params'] / 1e9:.2f}B params, total {r['total_bytes'] / GB:.2f} GB "
+               f"(compile {r['compile_s']:.0f} s)")
+    return self.results[key]
+
+
+def largest_fitting(opt_name: str, budget: float, mem: MemoryCache) -> dict:
+  """Largest k whose compiled step fits ``budget`` bytes.
+
+  Memory grows with k. The bracket starts at the guess from the bytes per
+  parameter at ``ANCHOR_K`` (k0 and k0 + 1), widens until the lower end fits
+  and the upper end does not, then bisects; the answer k and k + 1 are both
+  compiled, so the result does not depend on the guess.
+  """
+  total = lambda k: mem(family(k), opt_name)["total_bytes"]  # noqa: E731
+  per_param = total(ANCHOR_K) / family(ANCHOR_K).n_params
+  k0 = max(1, max((k for k in range(1, 512) if per_param * family(k).n_params <= budget),
+                  default=1))
+  lo, hi, step = k0, k0 + 1, 1
+  while lo > 1 and total(lo) > budget:
+    lo, hi, step = max(1, lo - 2 * step), lo, 2 * step
+  if total(lo) > budget:
+    return {"k": None}
+  while total(hi) <= budget:
+    lo, hi, step = hi, hi + 2 * step, 2 * step
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if total(mid) <= budget:
+      lo = mid
+    else:
+      hi = mid
+  return {"k": lo, **mem(family(lo), opt_name), "next_k_total_bytes": total(lo + 1)}
+
+
+def plot(path: str, rows: list) -> None:
+  """Stacked bars of the table: params, optimizer state, temp (and the rest)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  configs = list(dict.fromkeys(r["config"]["name"] for r in rows))
+  opts = list(dict.fromkeys(r["optimizer"] for r in rows))
+  fig, axes = plt.subplots(1, len(configs), figsize=(3.6 * len(configs), 3.8), squeeze=False)
+  for ax, name in zip(axes[0], configs):
+    sub = {r["optimizer"]: r for r in rows if r["config"]["name"] == name}
+    x = np.arange(len(opts))
+    p = np.array([sub[o]["param_bytes"] for o in opts]) / GB
+    st = np.array([sub[o]["state_bytes"] for o in opts]) / GB
+    tmp = np.array([sub[o]["temp_bytes"] for o in opts]) / GB
+    rest = np.array([sub[o]["total_bytes"] for o in opts]) / GB - p - st - tmp
+    ax.bar(x, p, label="params")
+    ax.bar(x, st, bottom=p, label="optimizer state")
+    ax.bar(x, tmp, bottom=p + st, label="temp: grads, activations, transients")
+    ax.bar(x, rest, bottom=p + st + tmp, label="other (batch, loss)")
+    ax.set_xticks(x, [LABELS[o].replace(" (optax)", "") for o in opts], rotation=30,
+                  ha="right", fontsize=8)
+    ax.set_title(name, fontsize=9)
+    ax.set_ylabel("GB (1e9 bytes)")
+    ax.grid(axis="y", alpha=0.3)
+  axes[0][0].legend(fontsize=7)
+  fig.suptitle("compiled training-step memory (CPU compiler, batch 4 x 1024, fp32 params)",
+               fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--budgets", type=float, nargs="+", default=[24, 80], help="GB (1e9)")
+  parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
+  parser.add_argument("--skip-table", action="store_true", help="only the largest-model search")
+  parser.add_argument("--skip-search", action="store_true", help="only the fixed configs")
+  parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
+                                                   "training_memory.json"))
+  parser.add_argument("--plot", default=os.path.join(ROOT, "benchmarks", "plots",
+                                                    "training_memory.png"))
+  parser.add_argument("--replot", action="store_true",
+                      help="only redraw --plot from the results saved in --out (no compiling)")
+  args = parser.parse_args(argv)
+  if args.replot:
+    with open(args.out) as f:
+      saved = json.load(f)
+    plot(args.plot, saved["table"])
+    return saved
+  start = time.perf_counter()
+  env = (f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+         f"Python {platform.python_version()}, jax {jax.__version__}, "
+         f"compiled for {jax.devices()[0].platform}")
+  print(f"# Training-step memory, compile-only ({env})", flush=True)
+  log = lambda s: print(s, flush=True)  # noqa: E731
+  out = {"environment": env}
+  mem = MemoryCache(log)
+
+  if not args.skip_table:
+    rows = []
+    print("\n## Training step of GPT-like models (batch 4 x 1024, fp32 params, per-layer remat)\n")
+    lines = ["| model | params | optimizer | optimizer state | params + state | temp "
+             "(grads, activations, transients) | total step memory |",
+             "|---|---|---|---|---|---|---|"]
+    for cfg in TABLE_CONFIGS:
+      for opt in args.optimizers:
+        r = mem(cfg, opt)
+        rows.append(r)
+        lines.append(f"| {cfg.name} | {r['params'] / 1e6:,.0f}M | {LABELS[opt]} "
+                     f"| {r['state_bytes'] / GB:.2f} GB ({r['state_bytes'] / r['params']:.2f} B/param) "
+                     f"| {(r['param_bytes'] + r['state_bytes']) / GB:.2f} GB "
+                     f"| {r['temp_bytes'] / GB:.2f} GB | {r['total_bytes'] / GB:.2f} GB |")
+    print()
+    print("\n".join(lines), flush=True)
+    out["table"] = rows
+    out["table_md"] = "\n".join(lines)
+
+  if not args.skip_search:
+    print("\n## Largest model per budget (k layers, d_model 128k; batch 4 x 1024)\n", flush=True)
+    found = []
+    for opt in args.optimizers:
+      for budget in sorted(args.budgets):
+        r = largest_fitting(opt, budget * GB, mem)
+        found.append({"optimizer": opt, "budget_gb": budget, **r})
+    lines = ["| optimizer | budget | largest k (layers x d_model) | params | total step memory "
+             "| k+1 would need |", "|---|---|---|---|---|---|"]
+    for r in found:
+      if r["k"] is None:
+        lines.append(f"| {LABELS[r['optimizer']]} | {r['budget_gb']:g} GB | none | | | |")
+        continue
+      lines.append(f"| {LABELS[r['optimizer']]} | {r['budget_gb']:g} GB "
+                   f"| {r['k']} ({r['k']} x {128 * r['k']}) | {r['params'] / 1e9:.2f}B "
+                   f"| {r['total_bytes'] / GB:.1f} GB | {r['next_k_total_bytes'] / GB:.1f} GB |")
+    print()
+    print("\n".join(lines))
+    out["largest"] = found
+    out["largest_md"] = "\n".join(lines)
+
+  out["elapsed_s"] = time.perf_counter() - start
+  print(f"\ntotal {out['elapsed_s']:.0f} s")
+  if "table" in out:
+    plot(args.plot, out["table"])
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(out, f, indent=1)
+  return out
+
+
+if __name__ == "__main__":
+  main()
