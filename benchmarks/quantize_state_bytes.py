@@ -44,25 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optax4bit  # pylint: disable=wrong-import-position
 from optax4bit import QuantSpec  # pylint: disable=wrong-import-position
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from optimizer_memory import CONFIGS, gpt_params  # pylint: disable=wrong-import-position
+
 MiB = 2**20
 
-
-def gpt_params(vocab: int, width: int, depth: int, dtype=jnp.float32) -> dict:
-  """Shapes of a GPT-2-like decoder (as in benchmarks/optimizer_memory.py)."""
-  s = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
-  params = {"embed": s(vocab, width), "pos_embed": s(1024, width), "final_norm": s(width)}
-  for i in range(depth):
-    params[f"layer{i:02d}"] = {
-        "attn_norm": s(width), "qkv": s(width, 3 * width), "attn_out": s(width, width),
-        "mlp_norm": s(width), "mlp_in": s(width, 4 * width), "mlp_out": s(4 * width, width),
-    }
-  return params
-
-
-CONFIGS = {
-    "25M": dict(vocab=16384, width=512, depth=6),
-    "124M": dict(vocab=50304, width=768, depth=12),
-}
 
 qs = optax4bit.quantize_state
 # (label, float32 original, 4-bit version(s)).

@@ -229,6 +229,16 @@ _QUANT_ARGS_DOC = """first_moment: quantizer of the first moment: a name such as
 # Adam.
 
 
+def _check_adam_args(b1, b2, eps, eps_root, first_moment, second_moment) -> tuple:
+  """Validates Adam's hyperparameters; returns the moments' `QuantSpec`s."""
+  check_hyperparam("b1", b1, low=0, high=1, high_open=True)
+  check_hyperparam("b2", b2, low=0, high=1, high_open=True)
+  check_hyperparam("eps", eps, low=0)
+  check_hyperparam("eps_root", eps_root, low=0)
+  return (as_spec(first_moment, argname="first_moment", signed=True),
+          as_spec(second_moment, argname="second_moment", signed=False))
+
+
 def scale_by_adam_4bit(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -277,12 +287,7 @@ def scale_by_adam_4bit(
     >>> round(float(updates["w"][0, 0]), 6)
     -0.001
   """
-  check_hyperparam("b1", b1, low=0, high=1, high_open=True)
-  check_hyperparam("b2", b2, low=0, high=1, high_open=True)
-  check_hyperparam("eps", eps, low=0)
-  check_hyperparam("eps_root", eps_root, low=0)
-  m_spec = as_spec(first_moment, argname="first_moment", signed=True)
-  v_spec = as_spec(second_moment, argname="second_moment", signed=False)
+  m_spec, v_spec = _check_adam_args(b1, b2, eps, eps_root, first_moment, second_moment)
   min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
   chunk = _chunk_size(chunk_size)
   implementation = _pallas.check_implementation(implementation)
@@ -421,12 +426,7 @@ def scale_by_factored_adam_4bit(
     >>> state.nu["w"].row.shape, state.nu["w"].col.shape
     ((64, 1), (1, 32))
   """
-  check_hyperparam("b1", b1, low=0, high=1, high_open=True)
-  check_hyperparam("b2", b2, low=0, high=1, high_open=True)
-  check_hyperparam("eps", eps, low=0)
-  check_hyperparam("eps_root", eps_root, low=0)
-  m_spec = as_spec(first_moment, argname="first_moment", signed=True)
-  v_spec = as_spec(second_moment, argname="second_moment", signed=False)
+  m_spec, v_spec = _check_adam_args(b1, b2, eps, eps_root, first_moment, second_moment)
   min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
   chunk = _chunk_size(chunk_size)
   implementation = _pallas.check_implementation(implementation)
