@@ -260,6 +260,14 @@ def adamw_8bit(
   """AdamW with 8-bit moments (the bitsandbytes recipe): both moments 8-bit
   dynamic exponent, block-wise with blocks of 256. About 2 bytes per parameter.
 
+  The 8-bit unsigned DE map has a zero code, so a second moment below about
+  3e-7 of its block's maximum is stored as 0 (the paper's zero-point problem,
+  much rarer at 8 bits than at 4). Where a parameter's gradient is almost
+  always 0 next to large ones (e.g. the input weights of constant pixels) the
+  step can become ``m / eps``; one of three seeds of the digits MLP test
+  diverged that way. ``adamw_4bit(..., second_moment=QuantSpec("block",
+  "DE-0", bits=8, block_size=256))`` keeps 8 bits without a zero code.
+
   Args:
     learning_rate: a float or an ``optax`` schedule.
     b1: decay rate of the first moment.

@@ -62,6 +62,7 @@ from optax4bit.quant.spec import QuantSpec, as_spec
 from optax4bit.transform import (
     DEFAULT_MIN_QUANTIZE_SIZE,
     MaskOrFn,
+    _is_array_like,
     _quantizable,
     _resolve_mask,
     check_hyperparam,
@@ -784,7 +785,7 @@ def quantize_state(
       of a step is derived from it, the step and the leaf, so runs are
       reproducible.
     chunk_size: elements per chunk for leaves updated in chunks (default
-      2**20).
+      2**18).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with `QuantizedState`.
@@ -1017,7 +1018,23 @@ def quantize_state(
     new_state = _assemble(layout, params_def, mirrors, [r for _, r in results])
     return new_updates, QuantizedState(new_state, count)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def init_arrays(params):
+    return init_fn(_plain_arrays(params))
+
+  def update_arrays(updates, state, params=None, **extra_args):
+    plain_params = None if params is None else _plain_arrays(params)
+    new_updates, state = update_fn(_plain_arrays(updates), state, plain_params, **extra_args)
+    # The updates keep the gradients' structure (e.g. flax.nnx Variables).
+    return jax.tree.unflatten(jax.tree.structure(updates), jax.tree.leaves(new_updates)), state
+
+  return optax.GradientTransformationExtraArgs(init_arrays, update_arrays)
+
+
+def _plain_arrays(tree):
+  """``tree`` with array-like wrappers (``flax.nnx.Variable``) replaced by
+  their array: the state must not hold them, since ``nnx.Optimizer`` rebuilds
+  a Variable from its leaves, which would turn a `QuantizedArray` into a dict."""
+  return jax.tree.map(lambda x: jax.tree.leaves(x)[0], tree, is_leaf=_is_array_like)
 
 
 def _assemble(layout: _Layout, params_def, mirrors: list, results: list):

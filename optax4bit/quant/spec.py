@@ -163,8 +163,8 @@ def as_spec(spec: SpecLike, *, argname: str = "spec", signed: Optional[bool] = N
   """
   if isinstance(spec, QuantSpec):
     if signed is not None and spec.signed != signed:
-      kind = "signed" if signed else "unsigned (non-negative)"
-      raise ValueError(f"{argname} quantizes a {kind} tensor, but the given spec "
+      kind = "a signed" if signed else "an unsigned (non-negative)"
+      raise ValueError(f"{argname} quantizes {kind} tensor, but the given spec "
                        f"{spec} has signed={spec.signed}.")
     if bits is not None and spec.bits != bits:
       raise ValueError(f"{argname} must be a {bits}-bit spec, got {spec}.")
