@@ -47,14 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
   d = DEFAULTS
   parser.add_argument("--optimizers", nargs="+", default=list(DEFAULT_OPTIMIZERS),
                       help=f"the first is the reference (default: {' '.join(DEFAULT_OPTIMIZERS)})")
-  parser.add_argument("--steps", type=int, default=d.steps)
-  parser.add_argument("--batch-size", type=int, default=d.batch_size)
-  parser.add_argument("--seq-len", type=int, default=d.seq_len)
-  parser.add_argument("--d-model", type=int, default=d.d_model)
-  parser.add_argument("--layers", type=int, default=d.num_layers)
-  parser.add_argument("--heads", type=int, default=d.num_heads)
-  parser.add_argument("--eval-every", type=int, default=d.eval_every)
-  parser.add_argument("--eval-windows", type=int, default=d.eval_windows)
+  train_lm.add_model_args(parser, d)
   parser.add_argument("--lr", type=float, default=LR)
   parser.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
   parser.add_argument("--min-quantize-size", type=int, default=4096,

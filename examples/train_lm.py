@@ -49,21 +49,26 @@ class LMSettings:
   seed: int = 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog="\n".join(__doc__.splitlines()[1:]))
-  d = LMSettings()
+def add_model_args(parser: argparse.ArgumentParser, d: LMSettings) -> None:
+  """Model, batch and evaluation arguments (shared with compare.py)."""
   parser.add_argument("--steps", type=int, default=d.steps)
   parser.add_argument("--batch-size", type=int, default=d.batch_size)
   parser.add_argument("--seq-len", type=int, default=d.seq_len)
   parser.add_argument("--d-model", type=int, default=d.d_model)
   parser.add_argument("--layers", type=int, default=d.num_layers)
   parser.add_argument("--heads", type=int, default=d.num_heads)
-  parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
   parser.add_argument("--eval-every", type=int, default=d.eval_every)
   parser.add_argument("--eval-windows", type=int, default=d.eval_windows,
                       help="validation windows of --seq-len bytes (fixed, evenly spaced)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="\n".join(__doc__.splitlines()[1:]))
+  d = LMSettings()
+  add_model_args(parser, d)
+  parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
   parser.add_argument("--seed", type=int, default=d.seed, help="init, batches and rounding")
   parser.add_argument("--out-dir", default=os.path.join("runs", "lm"))
   parser.add_argument("--corpus-dir", default=None,
