@@ -47,6 +47,12 @@ from optax4bit import QuantSpec  # pylint: disable=wrong-import-position
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optimizer_memory import CONFIGS, gpt_params  # pylint: disable=wrong-import-position
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from test_quantize_state import problems as _test_problems  # pylint: disable=wrong-import-position
+
+_DISPLAY_NAMES = {"parabola": "parabola", "rosenbrock": "Rosenbrock",
+                  "least_squares": "least squares"}
+
 MiB = 2**20
 
 
@@ -131,19 +137,9 @@ def table_temp(configs):
 
 
 def problems():
-  k = jax.random.split(jax.random.key(0), 4)
-  center = jax.random.uniform(k[0], (16, 32), minval=-1, maxval=1)
-  weight = jax.random.uniform(k[1], (16, 32), minval=100, maxval=400)
-  a = jax.random.normal(k[2], (64, 32)) * 2
-  w_star = jax.random.normal(k[3], (32, 16))
-  losses = {
-      "parabola": lambda p: jnp.sum(weight * (p["parabola"] - center) ** 2),
-      "Rosenbrock": lambda p: jnp.sum(100 * (p["ry"] - p["rx"] ** 2) ** 2 + (1 - p["rx"]) ** 2),
-      "least squares": lambda p: 0.5 * jnp.sum((a @ p["lsq"] - a @ w_star) ** 2),
-  }
-  start = {"parabola": jnp.zeros((16, 32)), "rx": jnp.linspace(-1.5, -0.9, 16),
-           "ry": jnp.linspace(0.8, 1.2, 16), "lsq": jnp.zeros((32, 16))}
-  return losses, start
+  """The convergence problems of tests/test_quantize_state.py, with display names."""
+  losses, start = _test_problems()
+  return {_DISPLAY_NAMES[name]: f for name, f in losses.items()}, start
 
 
 def final_ratios(tx, steps):

@@ -190,3 +190,54 @@ def worst_case_error_fraction(table, signed: bool) -> float:
   t = np.asarray(table, dtype=np.float64)
   lo = -1.0 if signed else 0.0
   return max(np.max(np.diff(t)) / 2, t[0] - lo, 1.0 - t[-1])
+
+
+def train_nnx_beside_functional(tx, steps: int):
+  """Trains a small ``flax.nnx`` MLP with ``nnx.Optimizer(model, tx)`` and, step
+  by step, the same parameters with a plain jitted optax loop fed the same
+  gradients (the reference).
+
+  Returns ``(losses, optimizer, reference_params, reference_state,
+  model_params)``, the params as pure pytrees.
+  """
+  import jax
+  import optax
+  from flax import nnx
+
+  class MLP(nnx.Module):
+
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(64, 128, rngs=rngs)
+      self.l2 = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(nnx.relu(self.l1(x)))
+
+  x = jax.random.normal(jax.random.key(1), (16, 64))
+  y = jax.random.randint(jax.random.key(2), (16,), 0, 10)
+
+  def loss_fn(model):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+  model = MLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  state = tx.init(params)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss, grads
+
+  @jax.jit
+  def functional_step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  losses = []
+  for _ in range(steps):
+    loss, grads = train_step(model, optimizer)
+    losses.append(float(loss))
+    params, state = functional_step(params, state, nnx.as_pure(nnx.state(grads, nnx.Param)))
+  return losses, optimizer, params, state, nnx.as_pure(nnx.state(model, nnx.Param))

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import optax4bit
+from conftest import train_nnx_beside_functional
 
 LR = 1e-2
 
@@ -258,48 +259,9 @@ def test_apply_if_finite_nan_step_leaves_state_bit_identical():
 
 def test_flax_nnx_optimizer():
   nnx = pytest.importorskip("flax.nnx")
-
-  class MLP(nnx.Module):
-
-    def __init__(self, rngs):
-      self.l1 = nnx.Linear(64, 128, rngs=rngs)
-      self.l2 = nnx.Linear(128, 10, rngs=rngs)
-
-    def __call__(self, x):
-      return self.l2(nnx.relu(self.l1(x)))
-
-  x = jax.random.normal(jax.random.key(1), (16, 64))
-  y = jax.random.randint(jax.random.key(2), (16,), 0, 10)
-
-  def loss_fn(model):
-    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-
   tx = optax4bit.adamw_4bit(1e-2, min_quantize_size=0)
-  model = MLP(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  @nnx.jit
-  def train_step(model, optimizer):
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss, grads
-
-  # The same steps with plain optax on the pure parameter arrays.
-  params = nnx.as_pure(nnx.state(model, nnx.Param))
-  state = tx.init(params)
-
-  @jax.jit
-  def functional_step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  losses = []
-  for _ in range(4):
-    loss, grads = train_step(model, optimizer)
-    losses.append(float(loss))
-    params, state = functional_step(params, state, nnx.as_pure(nnx.state(grads, nnx.Param)))
+  losses, optimizer, params, state, model_params = train_nnx_beside_functional(tx, 4)
   assert losses[-1] < losses[0]
-  model_params = nnx.as_pure(nnx.state(model, nnx.Param))
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(model_params)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
   # The optimizer state still holds quantized moments (not dicts of arrays).

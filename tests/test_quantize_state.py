@@ -19,6 +19,7 @@ import pytest
 
 import optax4bit
 from optax4bit import QuantizedArray, QuantSpec
+from conftest import train_nnx_beside_functional
 from subprocess_json import run_json
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -462,45 +463,10 @@ def test_sharded_more_modes():
 
 
 def test_flax_nnx_optimizer_matches_functional_loop():
-  nnx = pytest.importorskip("flax.nnx")
-
-  class MLP(nnx.Module):
-
-    def __init__(self, rngs):
-      self.l1 = nnx.Linear(64, 128, rngs=rngs)
-      self.l2 = nnx.Linear(128, 10, rngs=rngs)
-
-    def __call__(self, x):
-      return self.l2(nnx.relu(self.l1(x)))
-
-  x = jax.random.normal(jax.random.key(1), (16, 64))
-  y = jax.random.randint(jax.random.key(2), (16,), 0, 10)
-
-  def loss_fn(model):
-    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-
+  pytest.importorskip("flax.nnx")
   tx = optax4bit.quantize_state(optax.adam(1e-2), min_quantize_size=0)
-  model = MLP(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  params = nnx.as_pure(nnx.state(model, nnx.Param))
-  state = tx.init(params)
-
-  @nnx.jit
-  def train_step(model, optimizer):
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss, grads
-
-  @jax.jit
-  def functional_step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  losses = []
-  for _ in range(3):  # the second step is where nnx used to fail
-    loss, grads = train_step(model, optimizer)
-    losses.append(float(loss))
-    params, state = functional_step(params, state, nnx.as_pure(nnx.state(grads, nnx.Param)))
+  # Three steps: the second is where nnx used to fail.
+  losses, _, params, _, model_params = train_nnx_beside_functional(tx, 3)
   assert losses[-1] < losses[0]
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))):
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(model_params)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
