@@ -352,21 +352,34 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
       out.append(chunk)
     return _take_rows(grad_buf, start, size, 1), tuple(out)
 
-  def apply_body(c, carry):
-    grad_buf, bufs, pending, tail_results = carry
-    grad_buf, bufs = write_chunk(grad_buf, bufs, pending, jnp.maximum(c - 1, 0) * rows)
-    return grad_buf, bufs, compute_chunk(grad_buf, bufs, c * rows, rows, c), tail_results
-
   # Chunk c covers rows [start(c), start(c) + rows). Where alignment allows,
-  # the last chunk starts at num_rows - rows and overlaps the one before it
-  # (which recomputes identical results for the overlap); otherwise a ragged
-  # tail is handled on its own.
+  # the last chunk starts at num_rows - rows, inside the one before it;
+  # otherwise a ragged tail is handled on its own (XLA may then copy buffers).
   overlap_last = num_full * rows < num_rows and (num_rows - rows) % align == 0
   num_chunks = num_full + int(overlap_last)
   tail = 0 if overlap_last else tail
 
   def chunk_start(c):
     return offset + (jnp.minimum(c * rows, num_rows - rows) if overlap_last else c * rows)
+
+  def keep_written_rows(results, stored, c):
+    """The overlapping last chunk reads rows the chunk before it has already
+    written: for those rows keep what is stored (final) instead of results
+    computed from new values."""
+    start = jnp.minimum(c * rows, num_rows - rows)
+    factors = [1] + [f for plan in plans
+                     for f in ((1,) if not plan.quantized else
+                               (plan.codes_factor,) + tuple(
+                                   f for f in plan.scale_factors
+                                   if not plan.needs_second_pass))]
+    leaves_new, treedef = jax.tree.flatten(results)
+    leaves_old = jax.tree.leaves(stored)
+    kept = []
+    for new, old, factor in zip(leaves_new, leaves_old, factors, strict=True):
+      first_row = start + factor * jnp.arange(new.shape[0])
+      fresh = (first_row >= c * rows).reshape((-1,) + (1,) * (new.ndim - 1))
+      kept.append(jnp.where(fresh, new, old))
+    return jax.tree.unflatten(treedef, kept)
 
   def run_stats(carry):
     carry = jax.lax.fori_loop(
@@ -388,28 +401,28 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
       new_global = tuple(reduce_scales(g, m.layout) if p.needs_second_pass else g
                          for g, m, p in zip(new_global, moments, plans))
 
-  # Results of chunk c are written at iteration c + 2, before chunk c + 2 is
-  # read: writes never share a fusion with reads of the same buffer (else XLA
-  # copies the whole buffer), and the overlapping last chunk still reads the
-  # old rows of the chunk before it. The loop runs two extra iterations that
-  # only write, so no results outlive it (XLA's scheduler does not keep the
-  # leaves in order, and pending results would pile up across leaves).
+  # Results of chunk c are written at iteration c + 1, before chunk c + 1 is
+  # read from the written buffers: a write never shares an iteration with the
+  # reads of the rows it replaces, so XLA updates every buffer in place (a
+  # write unordered with reads of the same buffer makes it copy the whole
+  # buffer). A ragged tail is computed before the loop (the loop carries its
+  # results, so its reads come before any write) and written last.
   def apply_body(c, carry):
-    grad_buf, bufs, (older, newer), tail_results = carry
-    grad_buf, bufs = write_chunk(grad_buf, bufs, older, chunk_start(jnp.maximum(c - 2, 0)))
-    results = jax.lax.cond(
-        c < num_chunks, lambda: compute_chunk(grad_buf, bufs, chunk_start(c), rows, c),
-        lambda: newer)
-    return grad_buf, bufs, (newer, results), tail_results
+    grad_buf, bufs, pending, tail_results = carry
+    grad_buf, bufs = write_chunk(grad_buf, bufs, pending, chunk_start(jnp.maximum(c - 1, 0)))
+    results = compute_chunk(grad_buf, bufs, chunk_start(c), rows, c)
+    if overlap_last:
+      results = keep_written_rows(
+          results, read_stored(grad_buf, bufs, chunk_start(c), rows), c)
+    return grad_buf, bufs, results, tail_results
 
-  # A ragged tail is computed first (the loop carries its results, so its
-  # reads come before any write) and written last.
   tail_results = (compute_chunk(grad_buf, buffers, offset + num_full * rows, tail, num_full)
                   if tail else ())
-  stored = read_stored(grad_buf, buffers, chunk_start(0), rows)  # no-op writes for c < 2
-  carry = (grad_buf, buffers, (stored, stored), tail_results)
-  grad_buf, buffers, _, tail_results = jax.lax.fori_loop(
-      0, num_chunks + 2, apply_body, carry)
+  stored = read_stored(grad_buf, buffers, chunk_start(0), rows)  # a no-op write at c = 0
+  carry = (grad_buf, buffers, stored, tail_results)
+  grad_buf, buffers, pending, tail_results = jax.lax.fori_loop(
+      0, num_chunks, apply_body, carry)
+  grad_buf, buffers = write_chunk(grad_buf, buffers, pending, chunk_start(num_chunks - 1))
   if tail:
     grad_buf, buffers = write_chunk(grad_buf, buffers, tail_results, offset + num_full * rows)
   # Unfused from what the caller does next, the last writes stay in place.
