@@ -15,8 +15,8 @@ decompressed float32 moments exist for one chunk of rows of one leaf at a time:
   moment. Nothing float32 the size of the leaf is kept between the passes, and
   every chunk is read before it is overwritten, so the step may use any old
   moment to compute any new one.
-* Leaves are chained with ``optimization_barrier`` so XLA cannot interleave
-  them and keep several leaves' temporaries alive at once.
+* Leaves are chained by a data dependence (`sequential_map`) so XLA cannot
+  interleave them and keep several leaves' temporaries alive at once.
 """
 
 from __future__ import annotations
