@@ -367,19 +367,17 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
     written: for those rows keep what is stored (final) instead of results
     computed from new values."""
     start = jnp.minimum(c * rows, num_rows - rows)
-    factors = [1] + [f for plan in plans
-                     for f in ((1,) if not plan.quantized else
-                               (plan.codes_factor,) + tuple(
-                                   f for f in plan.scale_factors
-                                   if not plan.needs_second_pass))]
-    leaves_new, treedef = jax.tree.flatten(results)
-    leaves_old = jax.tree.leaves(stored)
-    kept = []
-    for new, old, factor in zip(leaves_new, leaves_old, factors, strict=True):
+    # Leaf rows per buffer row of each array in `compute_chunk`'s results.
+    factors = (1, tuple(1 if not p.quantized else
+                        (p.codes_factor, () if p.needs_second_pass else p.scale_factors)
+                        for p in plans))
+
+    def keep(new, old, factor):
       first_row = start + factor * jnp.arange(new.shape[0])
       fresh = (first_row >= c * rows).reshape((-1,) + (1,) * (new.ndim - 1))
-      kept.append(jnp.where(fresh, new, old))
-    return jax.tree.unflatten(treedef, kept)
+      return jnp.where(fresh, new, old)
+
+    return jax.tree.map(keep, results, stored, factors)
 
   def run_stats(carry):
     carry = jax.lax.fori_loop(
