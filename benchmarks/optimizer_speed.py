@@ -35,6 +35,8 @@ from optimizer_memory import CONFIGS, gpt_params
 OPTIMIZERS = {
     "optax.adamw": lambda: optax.adamw(1e-3),
     "adamw_4bit": lambda: optax4bit.adamw_4bit(1e-3),
+    # The jnp engine; "adamw_4bit" runs the C++ kernel on CPU where it is built.
+    "adamw_4bit (jnp)": lambda: optax4bit.adamw_4bit(1e-3, implementation="jnp"),
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3),
     "adamw_8bit": lambda: optax4bit.adamw_8bit(1e-3),
     "optax.sgd(momentum)": lambda: optax.sgd(1e-3, 0.9),

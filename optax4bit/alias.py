@@ -70,9 +70,11 @@ def adam_4bit(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, jnp
-      elsewhere), ``"jnp"``, ``"pallas"``, ``"pallas_interpret"`` or an
-      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.pallas.dispatch`).
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
+      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
+      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
+      `optax4bit.pallas.dispatch`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -146,9 +148,11 @@ def adamw_4bit(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, jnp
-      elsewhere), ``"jnp"``, ``"pallas"``, ``"pallas_interpret"`` or an
-      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.pallas.dispatch`).
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
+      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
+      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
+      `optax4bit.pallas.dispatch`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -215,9 +219,11 @@ def adamw_4bit_factor(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, jnp
-      elsewhere), ``"jnp"``, ``"pallas"``, ``"pallas_interpret"`` or an
-      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.pallas.dispatch`).
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
+      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
+      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
+      `optax4bit.pallas.dispatch`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -281,9 +287,11 @@ def adamw_8bit(
     min_quantize_size: leaves with at most this many elements stay float32.
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, jnp
-      elsewhere), ``"jnp"``, ``"pallas"``, ``"pallas_interpret"`` or an
-      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.pallas.dispatch`).
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
+      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
+      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
+      `optax4bit.pallas.dispatch`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -325,9 +333,11 @@ def sgdm_4bit(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, jnp
-      elsewhere), ``"jnp"``, ``"pallas"``, ``"pallas_interpret"`` or an
-      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.pallas.dispatch`).
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
+      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
+      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
+      `optax4bit.pallas.dispatch`).
 
   Returns:
     An ``optax.GradientTransformation``.

@@ -217,12 +217,13 @@ _QUANT_ARGS_DOC = """first_moment: quantizer of the first moment: a name such as
       count, so runs are reproducible.
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the jnp
-      reference elsewhere), ``"jnp"``, ``"pallas"``, ``"pallas_interpret"``
-      (the kernels in Pallas interpret mode, any backend) or an
-      ``optax4bit.pallas.PallasConfig``; see `optax4bit.pallas.dispatch`.
-      Leaves the kernels do not cover (float32, 8-bit, stochastic rounding)
-      always use the jnp reference."""
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
+      the compiled kernel of `optax4bit.cpu` for Adam's default quantizers,
+      where it is installed; the jnp reference elsewhere), ``"jnp"``,
+      ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
+      interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
+      see `optax4bit.pallas.dispatch`. Leaves the kernels do not cover
+      (float32, 8-bit, stochastic rounding) always use the jnp reference."""
 
 
 # ----------------------------------------------------------------------------

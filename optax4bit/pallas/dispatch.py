@@ -3,8 +3,13 @@
 Every optimizer of the library takes ``implementation=``:
 
 * ``"auto"`` (default): the Pallas kernels on a CUDA GPU backend
-  (``jax.default_backend() == "gpu"``, not ROCm), the jnp reference elsewhere.
+  (``jax.default_backend() == "gpu"``, not ROCm); on the CPU backend the
+  compiled C++ kernel of `optax4bit.cpu` where it is installed (Adam with the
+  default quantizers; everything else runs the jnp reference); the jnp
+  reference elsewhere.
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
+* ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
+  construction if it is not installed.
 * ``"pallas"``: the Pallas kernels, lowered through Triton
   (``jax.experimental.pallas.triton.CompilerParams``); needs a CUDA GPU.
 * ``"pallas_interpret"``: the same kernels in Pallas interpret mode, on any
@@ -33,7 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit import cpu as _cpu
 from optax4bit import sharding as _sharding
+from optax4bit.cpu import ffi as _cpu_ffi
 from optax4bit.pallas import _engine
 from optax4bit.pallas.optim import STEPS, adam_coefficients, momentum_coefficients
 from optax4bit.quant.array import QuantizedArray
@@ -41,7 +48,7 @@ from optax4bit.quant.array import QuantizedArray
 __all__ = ["IMPLEMENTATIONS", "PallasConfig", "FusedSteps", "check_implementation",
            "fused_steps", "resolve"]
 
-IMPLEMENTATIONS = ("auto", "jnp", "pallas", "pallas_interpret")
+IMPLEMENTATIONS = ("auto", "jnp", "cpu", "pallas", "pallas_interpret")
 
 
 def _check_power_of_two(name: str, value) -> None:
@@ -87,6 +94,9 @@ def check_implementation(implementation: Implementation) -> Implementation:
   """Validates ``implementation`` (at construction time)."""
   if isinstance(implementation, PallasConfig):
     return implementation
+  if implementation == "cpu" and not _cpu.available():
+    raise ValueError(f"implementation='cpu' needs the compiled CPU kernel, but "
+                     f"{_cpu.unavailable_reason()}.")
   if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
     return implementation
   raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
@@ -116,7 +126,7 @@ def resolve(implementation: Implementation) -> Optional[PallasConfig]:
     return implementation
   if implementation == "auto":
     return PallasConfig() if _on_cuda() else None
-  if implementation == "jnp":
+  if implementation in ("jnp", "cpu"):
     return None
   return PallasConfig(interpret=implementation == "pallas_interpret")
 
@@ -199,8 +209,12 @@ class FusedSteps:
     return update, new
 
 
-def fused_steps(implementation: Implementation) -> Optional[FusedSteps]:
-  """The fused steps for ``implementation``, or None for the jnp reference.
-  Call while tracing the update (``"auto"`` looks at the backend)."""
+def fused_steps(implementation: Implementation):
+  """The fused steps for ``implementation`` (`FusedSteps` or
+  `optax4bit.cpu.ffi.CpuSteps`), or None for the jnp reference. Call while
+  tracing the update (``"auto"`` looks at the backend)."""
+  if implementation == "cpu" or (implementation == "auto" and jax.default_backend() == "cpu"
+                                 and _cpu.available()):
+    return _cpu_ffi.CpuSteps()
   config = resolve(implementation)
   return None if config is None else FusedSteps(config.options)

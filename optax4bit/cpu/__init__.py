@@ -1,0 +1,18 @@
+"""A fused XLA CPU kernel (C++, ``jax.ffi``) for 4-bit AdamW's default recipe.
+
+On the CPU backend ``implementation="auto"`` (the default of every optimizer)
+runs 2-D leaves quantized with ``B128/DE`` and ``Rank-1/Linear`` through it;
+``implementation="cpu"`` asks for it explicitly and ``"jnp"`` turns it off.
+It is built at install time from ``adam_4bit.cc`` when a C++17 compiler is
+found; without one optax4bit installs and runs its jnp implementation.
+See `optax4bit.cpu.ffi` for the design.
+
+Example:
+  >>> import optax4bit.cpu
+  >>> optax4bit.cpu.available() or optax4bit.cpu.unavailable_reason() is not None
+  True
+"""
+
+from optax4bit.cpu.ffi import available, unavailable_reason
+
+__all__ = ["available", "unavailable_reason"]

@@ -1,0 +1,531 @@
+// Fused XLA CPU step of 4-bit Adam for one 2-D leaf (the default recipe):
+// first moment B128/DE (signed, 128-element blocks of the last axis), second
+// moment Rank-1/Linear (unsigned, scales min(row max, column max)), nearest
+// rounding. Two FFI calls per leaf:
+//   1. Adam4bitStats: the row and column maxima of the new second moment
+//      (it needs the whole leaf before any element can be encoded);
+//   2. Adam4bitApply: per row, decode both moments, run the float32 Adam step,
+//      write the update over the gradient and re-encode both moments in place.
+// No float32 moment is stored: a row's moments live in per-thread scratch.
+//
+// The arithmetic is that of the jnp reference as XLA compiles it (see
+// optax4bit/pallas/optim.py): the same operation order, no fused
+// multiply-adds (built with -ffp-contract=off), subnormals flushed to zero as
+// XLA's CPU backend does, non-finite values excluded from maxima and NaN
+// normalized to 0. Python side: optax4bit/cpu/ffi.py.
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__SSE__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define OPTAX4BIT_HAS_MXCSR 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// x86-64: clones for AVX-512 and AVX2 picked at load time (one binary for
+// any x86-64 machine); elsewhere the compiler's baseline.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OPTAX4BIT_HOT __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define OPTAX4BIT_HOT
+#endif
+
+constexpr int64_t kBlockBytes = 64;     // B128: 128 codes, two per byte
+constexpr int64_t kTableSize = 16;      // 4-bit DE values
+constexpr int64_t kCoefSize = 10;       // see optax4bit.pallas.optim.adam_coefficients
+constexpr int64_t kGrainElements = 1 << 16;
+
+inline uint32_t Bits(float x) { return __builtin_bit_cast(uint32_t, x); }
+inline float FromBits(uint32_t u) { return __builtin_bit_cast(float, u); }
+
+// |x| as bits, 0 for non-finite x: non-negative floats order like their bits.
+inline uint32_t FiniteAbsBits(float x) {
+  const uint32_t u = Bits(x) & 0x7fffffffu;
+  return u < 0x7f800000u ? u : 0u;
+}
+
+// 4 / s (0 for s == 0), as optax4bit.quant.normalize._inverse_times_4.
+inline float InverseTimes4(float s) {
+  float r = 4.0f / (s > 0.0f ? s : 1.0f);
+  r = r < FLT_MAX ? r : FLT_MAX;
+  return s > 0.0f ? r : 0.0f;
+}
+
+inline float NanToZero(float x) { return x == x ? x : 0.0f; }
+
+// Clamps a level to [0, 15] (ternaries: std::min/max take references and
+// keep GCC from vectorizing).
+inline float Clamp15(float q) {
+  q = q > 0.0f ? q : 0.0f;
+  return q < 15.0f ? q : 15.0f;
+}
+
+// 16-lane vectors (GCC/Clang vector extensions): table lookups become one
+// permute per 16 elements (vpermps on AVX-512) instead of a select tree.
+typedef float F16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint8_t U16 __attribute__((vector_size(16)));
+constexpr I16 kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+constexpr I16 kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+inline F16 LoadF16(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreF16(float* p, F16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline I16 LoadCodes16(const uint8_t* p) {
+  U16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return __builtin_convertvector(v, I16);
+}
+inline void StoreCodes16(uint8_t* p, I16 codes) {
+  const U16 v = __builtin_convertvector(codes, U16);
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// XLA's CPU backend computes with subnormals flushed to zero.
+class FlushDenormals {
+ public:
+#ifdef OPTAX4BIT_HAS_MXCSR
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+struct Coefficients {
+  float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c1, inv_c2, inv_c1, inv_c1_next;
+};
+
+Coefficients ReadCoefficients(const float* c) {
+  return Coefficients{c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9]};
+}
+
+// Process-wide worker threads, started on first use. XLA's intra-op pool
+// (ffi::ThreadPool) is busy while a custom call runs on it: tasks scheduled
+// there mostly start after the call has finished its rows alone.
+class Workers {
+ public:
+  static Workers& Get() {
+    static Workers* workers = new Workers();  // never destroyed: threads outlive main
+    return *workers;
+  }
+
+  // Runs task(w) for w in [1, n) on worker threads; returns at once.
+  void Launch(int64_t n, const std::function<void(int64_t)>& task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while ((int64_t)threads_ < n - 1) {
+      std::thread([this] { Loop(); }).detach();
+      ++threads_;
+    }
+    for (int64_t w = 1; w < n; ++w) queue_.push_back([task, w] { task(w); });
+    cv_.notify_all();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return !queue_.empty(); });
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  size_t threads_ = 0;
+};
+
+// Splits rows into chunks run by the caller and up to n - 1 worker threads,
+// n = the size of XLA's intra-op pool; body(lo, hi, worker) with worker <
+// NumWorkers(). The caller waits only for chunks some thread has claimed, so
+// a worker that starts late (or never) cannot block it.
+class RowSplitter {
+ public:
+  RowSplitter(ffi::ThreadPool& pool, int64_t rows, int64_t row_size) : rows_(rows) {
+    grain_ = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_size, 1));
+    chunks_ = (rows + grain_ - 1) / grain_;
+    workers_ = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), chunks_));
+  }
+
+  int64_t NumWorkers() const { return workers_; }
+
+  template <typename Body>
+  void Run(const Body& body) {
+    auto shared = std::make_shared<Shared>();
+    const int64_t rows = rows_, grain = grain_, chunks = chunks_;
+    const Body* body_ptr = &body;
+    auto work = [shared, body_ptr, rows, grain, chunks](int64_t worker) {
+      FlushDenormals flush;
+      for (int64_t c; (c = shared->next.fetch_add(1)) < chunks;) {
+        (*body_ptr)(c * grain, std::min(rows, (c + 1) * grain), worker);
+        if (shared->done.fetch_add(1) + 1 == chunks) {
+          std::lock_guard<std::mutex> lock(shared->mu);
+          shared->cv.notify_all();
+        }
+      }
+    };
+    if (workers_ > 1) Workers::Get().Launch(workers_, work);
+    work(0);
+    std::unique_lock<std::mutex> lock(shared->mu);
+    shared->cv.wait(lock, [&] { return shared->done.load() == chunks; });
+  }
+
+ private:
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  int64_t rows_, grain_, chunks_, workers_;
+};
+
+// Row kernels. A row of d = 2h elements is split into its even and odd
+// elements (the low and high nibbles of the packed code bytes): x[0, h) holds
+// the even elements, x[h, 2h) the odd ones.
+
+// New first moment (1 - b1) g + b1 m of one row; DE values by table permutes.
+OPTAX4BIT_HOT void NewFirstMoment(int64_t h, const float* __restrict g,
+                                  const uint8_t* __restrict codes,
+                                  const float* __restrict block_scales,
+                                  const float* __restrict de_table, float b1, float one_minus_b1,
+                                  float* __restrict m) {
+  const F16 table = LoadF16(de_table);
+  for (int64_t b = 0; b < h / kBlockBytes; ++b) {
+    const float s = block_scales[b];
+    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += 16) {
+      const I16 byte = LoadCodes16(codes + j);
+      const F16 ga = LoadF16(g + 2 * j), gb = LoadF16(g + 2 * j + 16);
+      const F16 ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      const F16 de_even = __builtin_shuffle(table, byte & 15);
+      const F16 de_odd = __builtin_shuffle(table, byte >> 4);
+      StoreF16(m + j, one_minus_b1 * ge + b1 * (de_even * s));
+      StoreF16(m + h + j, one_minus_b1 * go + b1 * (de_odd * s));
+    }
+  }
+}
+
+// New second moment (1 - b2) g^2 + b2 v of one row; the Linear map decodes
+// code k to (k + 1) / 16, the rank-1 scale is min(row max, column max).
+OPTAX4BIT_HOT void NewSecondMoment(int64_t h, const float* __restrict g,
+                                   const uint8_t* __restrict codes, float row_scale,
+                                   const float* __restrict col_even,
+                                   const float* __restrict col_odd, float b2, float one_minus_b2,
+                                   float* __restrict v) {
+  for (int64_t j = 0; j < h; ++j) {
+    const int byte = codes[j];
+    const float ge = g[2 * j], go = g[2 * j + 1];
+    const float se = row_scale < col_even[j] ? row_scale : col_even[j];
+    const float so = row_scale < col_odd[j] ? row_scale : col_odd[j];
+    v[j] = one_minus_b2 * (ge * ge) + b2 * (((float)(byte & 15) + 1.0f) * 0.0625f * se);
+    v[h + j] = one_minus_b2 * (go * go) + b2 * (((float)(byte >> 4) + 1.0f) * 0.0625f * so);
+  }
+}
+
+// Maxima of finite |v| of one row into the row scale and the running column
+// maxima (as bits).
+OPTAX4BIT_HOT void SecondMomentMaxima(int64_t h, const float* __restrict v, float* __restrict row,
+                                      uint32_t* __restrict col_even,
+                                      uint32_t* __restrict col_odd) {
+  uint32_t r = 0;
+  for (int64_t j = 0; j < h; ++j) {
+    const uint32_t e = FiniteAbsBits(v[j]), o = FiniteAbsBits(v[h + j]);
+    const uint32_t eo = e > o ? e : o;
+    r = eo > r ? eo : r;
+    col_even[j] = e > col_even[j] ? e : col_even[j];
+    col_odd[j] = o > col_odd[j] ? o : col_odd[j];
+  }
+  *row = FromBits(r);
+}
+
+// The Adam update m_hat / (sqrt(v_hat + eps_root) + eps), in the form XLA
+// compiles the jnp reference to (reciprocals of the bias corrections).
+OPTAX4BIT_HOT void Update(int64_t h, const float* __restrict m, const float* __restrict v,
+                          const Coefficients& c, float* __restrict out) {
+  for (int64_t j = 0; j < h; ++j) {
+    out[2 * j] = m[j] / (c.c1 * (std::sqrt(v[j] * c.inv_c2 + c.eps_root) + c.eps));
+    out[2 * j + 1] = m[h + j] / (c.c1 * (std::sqrt(v[h + j] * c.inv_c2 + c.eps_root) + c.eps));
+  }
+}
+
+// Nesterov: (b1 m / c1_next + (1 - b1) g / c1) / (sqrt(v_hat + eps_root) + eps).
+OPTAX4BIT_HOT void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restrict m,
+                                  const float* __restrict v, const Coefficients& c,
+                                  float* __restrict out) {
+  for (int64_t j = 0; j < h; ++j) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t k = half * h + j, e = 2 * j + half;
+      out[e] = (c.b1 * (m[k] * c.inv_c1_next) + c.one_minus_b1 * (g[e] * c.inv_c1)) /
+               (std::sqrt(v[k] * c.inv_c2 + c.eps_root) + c.eps);
+    }
+  }
+}
+
+// B128/DE codes of one row of m: block maxima, then nearest entries (the
+// number of the 15 midpoint thresholds below each normalized value).
+OPTAX4BIT_HOT void EncodeFirstMoment(int64_t h, const float* __restrict m,
+                                     const float* __restrict thresholds,
+                                     float* __restrict block_scales, float* __restrict normalized,
+                                     uint8_t* __restrict codes) {
+  const int64_t blocks = h / kBlockBytes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint32_t s = 0;
+    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; ++j) {
+      const uint32_t e = FiniteAbsBits(m[j]), o = FiniteAbsBits(m[h + j]);
+      const uint32_t eo = e > o ? e : o;
+      s = eo > s ? eo : s;
+    }
+    block_scales[b] = FromBits(s);
+    const float inverse = InverseTimes4(FromBits(s));
+    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; ++j) {
+      normalized[j] = NanToZero((m[j] * inverse) * 0.25f);
+      normalized[h + j] = NanToZero((m[h + j] * inverse) * 0.25f);
+    }
+  }
+  // Number of thresholds below x by binary search: 4 compares, the
+  // thresholds picked by permutes (t[15] = +inf is never selected).
+  F16 t;
+  for (int k = 0; k < kTableSize - 1; ++k) t[k] = thresholds[k];
+  t[kTableSize - 1] = INFINITY;
+  const I16 seven = I16{} + 7;
+  for (int64_t j = 0; j < h; j += 16) {
+    I16 level[2];
+    for (int half = 0; half < 2; ++half) {
+      const F16 x = LoadF16(normalized + half * h + j);
+      I16 c = (x > __builtin_shuffle(t, seven)) & 8;
+      c += (x > __builtin_shuffle(t, c + 3)) & 4;
+      c += (x > __builtin_shuffle(t, c + 1)) & 2;
+      c += (x > __builtin_shuffle(t, c)) & 1;
+      level[half] = c;
+    }
+    StoreCodes16(codes + j, level[0] | (level[1] << 4));
+  }
+}
+
+// Rank-1/Linear codes of one row of v: ceil(16 n - 1.5) clamped to [0, 15],
+// n = v * max(4 / row scale, 4 / column scale) / 4.
+OPTAX4BIT_HOT void EncodeSecondMoment(int64_t h, const float* __restrict v, float inv_row,
+                                      const float* __restrict inv_col_even,
+                                      const float* __restrict inv_col_odd,
+                                      float* __restrict levels, uint8_t* __restrict codes) {
+  for (int64_t j = 0; j < h; ++j) {
+    const float inverse_even = inv_col_even[j] > inv_row ? inv_col_even[j] : inv_row;
+    const float inverse_odd = inv_col_odd[j] > inv_row ? inv_col_odd[j] : inv_row;
+    const float ne = NanToZero((v[j] * inverse_even) * 0.25f);
+    const float no = NanToZero((v[h + j] * inverse_odd) * 0.25f);
+    const float qe = std::ceil(ne * 16.0f - 1.5f), qo = std::ceil(no * 16.0f - 1.5f);
+    levels[j] = Clamp15(qe);
+    levels[h + j] = Clamp15(qo);
+  }
+  for (int64_t j = 0; j < h; ++j) {
+    codes[j] = (uint8_t)((int)levels[j] | ((int)levels[h + j] << 4));
+  }
+}
+
+// Checks shared by both calls; sets the rows and the row length d.
+ffi::Error LeafGeometry(const ffi::Buffer<ffi::F32>& grad, const ffi::Buffer<ffi::U8>& v_codes,
+                        const ffi::Buffer<ffi::F32>& v_rows, const ffi::Buffer<ffi::F32>& v_cols,
+                        const ffi::Buffer<ffi::F32>& coef, int64_t& rows, int64_t& d) {
+  const auto dims = grad.dimensions();
+  if (dims.size() != 2 || dims[1] % (2 * kBlockBytes) != 0) {
+    return ffi::Error::InvalidArgument("grad must be 2-D with a multiple of 128 columns");
+  }
+  rows = dims[0];
+  d = dims[1];
+  if ((int64_t)v_codes.element_count() != rows * d / 2 ||
+      (int64_t)v_rows.element_count() != rows || (int64_t)v_cols.element_count() != d) {
+    return ffi::Error::InvalidArgument("second-moment codes or scales do not match grad");
+  }
+  if ((int64_t)coef.element_count() != kCoefSize) {
+    return ffi::Error::InvalidArgument("coef must hold 10 Adam coefficients");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
+                     ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
+                     ffi::Buffer<ffi::F32> v_cols, ffi::Buffer<ffi::F32> coef,
+                     ffi::ResultBuffer<ffi::F32> new_rows, ffi::ResultBuffer<ffi::F32> new_cols) {
+  int64_t rows, d;
+  if (ffi::Error error = LeafGeometry(grad, v_codes, v_rows, v_cols, coef, rows, d);
+      error.failure()) {
+    return error;
+  }
+  const int64_t h = d / 2;
+  const Coefficients c = ReadCoefficients(coef.typed_data());
+  const float* g = grad.typed_data();
+  const uint8_t* codes = v_codes.typed_data();
+  const float* row_scales = v_rows.typed_data();
+  const float* col_scales = v_cols.typed_data();
+  std::vector<float> col_even(h), col_odd(h);
+  for (int64_t j = 0; j < h; ++j) {
+    col_even[j] = col_scales[2 * j];
+    col_odd[j] = col_scales[2 * j + 1];
+  }
+  float* out_rows = new_rows->typed_data();
+  RowSplitter splitter(pool, rows, d);
+  std::vector<std::vector<uint32_t>> col_max(splitter.NumWorkers(), std::vector<uint32_t>(d, 0));
+  std::vector<std::vector<float>> scratch(splitter.NumWorkers());
+  splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
+    std::vector<float>& v = scratch[worker];
+    v.resize(d);
+    uint32_t* cm = col_max[worker].data();
+    for (int64_t i = lo; i < hi; ++i) {
+      NewSecondMoment(h, g + i * d, codes + i * h, row_scales[i], col_even.data(),
+                      col_odd.data(), c.b2, c.one_minus_b2, v.data());
+      SecondMomentMaxima(h, v.data(), out_rows + i, cm, cm + h);
+    }
+  });
+  float* out_cols = new_cols->typed_data();
+  for (int64_t j = 0; j < h; ++j) {
+    uint32_t e = 0, o = 0;
+    for (const auto& cm : col_max) {
+      e = std::max(e, cm[j]);
+      o = std::max(o, cm[h + j]);
+    }
+    out_cols[2 * j] = FromBits(e);
+    out_cols[2 * j + 1] = FromBits(o);
+  }
+  return ffi::Error::Success();
+}
+
+// table: the 16 DE values, then their 15 midpoint thresholds.
+ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
+                     ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
+                     ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
+                     ffi::Buffer<ffi::F32> v_cols, ffi::Buffer<ffi::F32> new_v_rows,
+                     ffi::Buffer<ffi::F32> new_v_cols, ffi::Buffer<ffi::F32> coef,
+                     ffi::Buffer<ffi::F32> table, bool nesterov,
+                     ffi::ResultBuffer<ffi::F32> update, ffi::ResultBuffer<ffi::U8> m_codes_out,
+                     ffi::ResultBuffer<ffi::F32> m_scales_out,
+                     ffi::ResultBuffer<ffi::U8> v_codes_out) {
+  int64_t rows, d;
+  if (ffi::Error error = LeafGeometry(grad, v_codes, v_rows, v_cols, coef, rows, d);
+      error.failure()) {
+    return error;
+  }
+  const int64_t h = d / 2, blocks = h / kBlockBytes;
+  if ((int64_t)m_codes.element_count() != rows * h ||
+      (int64_t)m_scales.element_count() != rows * blocks ||
+      (int64_t)new_v_rows.element_count() != rows || (int64_t)new_v_cols.element_count() != d) {
+    return ffi::Error::InvalidArgument("first-moment codes or scales do not match grad");
+  }
+  if ((int64_t)table.element_count() != 2 * kTableSize - 1) {
+    return ffi::Error::InvalidArgument("table must hold 16 DE values and 15 thresholds");
+  }
+  const Coefficients c = ReadCoefficients(coef.typed_data());
+  const float* de_table = table.typed_data();
+  const float* thresholds = de_table + kTableSize;
+  const float* g = grad.typed_data();
+  const uint8_t* old_m_codes = m_codes.typed_data();
+  const float* old_m_scales = m_scales.typed_data();
+  const uint8_t* old_v_codes = v_codes.typed_data();
+  const float* row_scales = v_rows.typed_data();
+  const float* new_row_scales = new_v_rows.typed_data();
+  std::vector<float> col_even(h), col_odd(h), inv_col_even(h), inv_col_odd(h);
+  for (int64_t j = 0; j < h; ++j) {
+    col_even[j] = v_cols.typed_data()[2 * j];
+    col_odd[j] = v_cols.typed_data()[2 * j + 1];
+    inv_col_even[j] = InverseTimes4(new_v_cols.typed_data()[2 * j]);
+    inv_col_odd[j] = InverseTimes4(new_v_cols.typed_data()[2 * j + 1]);
+  }
+  float* out = update->typed_data();
+  uint8_t* m_out = m_codes_out->typed_data();
+  float* m_scales_new = m_scales_out->typed_data();
+  uint8_t* v_out = v_codes_out->typed_data();
+  RowSplitter splitter(pool, rows, d);
+  std::vector<std::vector<float>> scratch(splitter.NumWorkers());
+  splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
+    std::vector<float>& buffer = scratch[worker];
+    buffer.resize(3 * d);
+    float* m = buffer.data();
+    float* v = m + d;
+    float* work = v + d;
+    for (int64_t i = lo; i < hi; ++i) {
+      // The update overwrites the gradient row (aliased): read it first.
+      const float* g_row = g + i * d;
+      NewFirstMoment(h, g_row, old_m_codes + i * h, old_m_scales + i * blocks, de_table, c.b1,
+                     c.one_minus_b1, m);
+      NewSecondMoment(h, g_row, old_v_codes + i * h, row_scales[i], col_even.data(),
+                      col_odd.data(), c.b2, c.one_minus_b2, v);
+      if (nesterov) {
+        std::memcpy(work, g_row, d * sizeof(float));
+        NesterovUpdate(h, work, m, v, c, out + i * d);
+      } else {
+        Update(h, m, v, c, out + i * d);
+      }
+      EncodeFirstMoment(h, m, thresholds, m_scales_new + i * blocks, work, m_out + i * h);
+      EncodeSecondMoment(h, v, InverseTimes4(new_row_scales[i]), inv_col_even.data(),
+                         inv_col_odd.data(), work, v_out + i * h);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#ifndef OPTAX4BIT_JAXLIB_VERSION
+#define OPTAX4BIT_JAXLIB_VERSION "unknown"
+#endif
+
+// The jaxlib whose FFI headers this library was built against: XLA runs
+// handlers built against older headers, not newer ones.
+extern "C" const char* Optax4bitBuildJaxlibVersion() { return OPTAX4BIT_JAXLIB_VERSION; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitStats, StatsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // grad (rows, d)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v codes (rows, d / 2)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v row scales (rows, 1)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v column scales (1, d)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (10,)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // new v row scales
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // new v column scales
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // grad (rows, d)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // m codes (rows, d / 2)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m block scales
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v codes (rows, d / 2)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v row scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v column scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new v row scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new v column scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (10,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // DE table (31,)
+                                  .Attr<bool>("nesterov")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // update (aliases grad)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // v codes (in place)
+);

@@ -1,0 +1,48 @@
+"""Builds the optional XLA CPU kernel (``optax4bit.cpu``); metadata is in pyproject.toml.
+
+The kernel is C++ against the XLA FFI headers that ship with jaxlib. Where it
+cannot be built (no C++17 compiler, an unsupported platform) the build goes
+on without it and optax4bit runs its jnp implementation on CPU.
+"""
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+import setuptools
+from setuptools.command.build_ext import build_ext
+
+
+class BuildWithXlaHeaders(build_ext):
+  """Adds jaxlib's XLA FFI include directory and the jaxlib version."""
+
+  def build_extensions(self):
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+      raise RuntimeError("building optax4bit's CPU kernel needs jaxlib (a build requirement).")
+    include = os.path.join(spec.submodule_search_locations[0], "include")
+    version = importlib.metadata.version("jaxlib")
+    for ext in self.extensions:
+      ext.include_dirs.append(include)
+      ext.define_macros.append(("OPTAX4BIT_JAXLIB_VERSION", f'"{version}"'))
+    super().build_extensions()
+
+
+# Exact float32 semantics (the kernel must equal the jnp reference): no
+# contraction into fused multiply-adds; errno/trap freedom lets loops vectorize.
+_FLAGS = ([] if sys.platform == "win32" else
+          ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"])
+
+setuptools.setup(
+    ext_modules=[
+        setuptools.Extension(
+            "optax4bit.cpu._adam_4bit",
+            sources=["optax4bit/cpu/adam_4bit.cc"],
+            language="c++",
+            extra_compile_args=_FLAGS,
+            optional=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildWithXlaHeaders},
+)

@@ -1,0 +1,212 @@
+"""The C++ CPU kernel of 4-bit Adam (`optax4bit.cpu`) against the jnp path.
+
+The kernel computes the jnp reference's float32 operations in the same order,
+but XLA compiles the reference with its own instruction choices, so updates and
+scales may differ in the last bits; a code differs only where a value lies
+within rounding of a threshold. Criteria: at most 1e-4 of the codes differ, by
+one level; scales within 8 ulps; updates within 8 ulps of the leaf's largest
+update; identical NaN patterns.
+
+The sharded check runs this file as a script with 8 virtual CPU devices (see
+tests/subprocess_json.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+if __name__ == "__main__":
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8")
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import optax4bit  # noqa: E402
+import optax4bit.cpu  # noqa: E402
+from optax4bit.cpu import ffi as cpu_ffi  # noqa: E402
+from optax4bit.pallas import dispatch  # noqa: E402
+
+EPS32 = float(np.finfo(np.float32).eps)
+needs_kernel = pytest.mark.skipif(not optax4bit.cpu.available(),
+                                  reason=str(optax4bit.cpu.unavailable_reason()))
+
+
+def _nibbles(codes) -> np.ndarray:
+  codes = np.asarray(codes)
+  return np.stack([codes & 15, codes >> 4]).astype(np.int32)
+
+
+def compare_states(ref_state, state) -> dict:
+  """Worst code, scale differences between two states' quantized moments."""
+  ref_q = jax.tree.leaves(ref_state, is_leaf=lambda x: isinstance(x, optax4bit.QuantizedArray))
+  got_q = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax4bit.QuantizedArray))
+  differing, total, level, scale_ulps = 0, 0, 0, 0.0
+  for a, b in zip(ref_q, got_q):
+    if not isinstance(a, optax4bit.QuantizedArray):
+      continue
+    na, nb = _nibbles(a.codes), _nibbles(b.codes)
+    differing += int(np.sum(na != nb))
+    total += na.size
+    level = max(level, int(np.max(np.abs(na - nb))))
+    for sa, sb in zip(a.scales, b.scales):
+      sa, sb = np.asarray(sa), np.asarray(sb)
+      top = max(float(np.max(np.abs(sa))), np.finfo(np.float32).tiny)
+      scale_ulps = max(scale_ulps, float(np.max(np.abs(sa - sb))) / (top * EPS32))
+  return {"code_fraction": differing / max(total, 1), "code_level": level,
+          "scale_ulps": scale_ulps}
+
+
+def compare_updates(ref_updates, updates) -> dict:
+  worst, same_nan = 0.0, True
+  for a, b in zip(jax.tree.leaves(ref_updates), jax.tree.leaves(updates)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    same_nan &= bool(np.array_equal(np.isnan(a), np.isnan(b)))
+    finite = np.isfinite(a) & np.isfinite(b)
+    if finite.any():
+      top = max(float(np.max(np.abs(a[finite]))), np.finfo(np.float32).tiny)
+      worst = max(worst, float(np.max(np.abs(a[finite] - b[finite]))) / (top * EPS32))
+  return {"update_ulps": worst, "same_nan": same_nan}
+
+
+def assert_close(codes: dict, updates: dict):
+  assert codes["code_fraction"] <= 1e-4, codes
+  assert codes["code_level"] <= 1, codes
+  assert codes["scale_ulps"] <= 8, codes
+  assert updates["update_ulps"] <= 8, updates
+  assert updates["same_nan"], updates
+
+
+def test_kernel_is_built_where_a_compiler_is():
+  # CI installs with a C++ compiler: the kernel must be there, not skipped.
+  if shutil.which("c++") or shutil.which("g++"):
+    assert optax4bit.cpu.available(), optax4bit.cpu.unavailable_reason()
+
+
+def _grads(params, step):
+  key = jax.random.PRNGKey(100 + step)
+  grads = {k: 0.1 * p + 0.01 * jax.random.normal(jax.random.fold_in(key, i), p.shape, p.dtype)
+           for i, (k, p) in enumerate(params.items())}
+  if step == 2:  # non-finite elements: kept out of maxima, NaN encodes like 0
+    grads["a"] = grads["a"].at[5, 7].set(jnp.nan).at[9, 1].set(jnp.inf)
+  if step == 3:  # an all-zero leaf, a column of tiny values, a huge one
+    grads["b"] = jnp.zeros_like(grads["b"])
+    grads["a"] = grads["a"].at[:, 3].set(1e-30).at[0, 0].set(1e30)
+  return grads
+
+
+# Rows not a multiple of anything; one row; a leaf the kernel does not cover
+# (last axis 130: jnp path); a 1-D leaf (jnp path).
+SHAPES = {"a": (300, 256), "b": (64, 384), "c": (1, 128), "d": (33, 130), "e": (1000,)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_kernel_matches_jnp(nesterov):
+  params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
+            for i, (k, s) in enumerate(SHAPES.items())}
+  txs = [optax4bit.scale_by_adam_4bit(min_quantize_size=0, nesterov=nesterov,
+                                      implementation=impl) for impl in ("jnp", "cpu")]
+  states = [tx.init(params) for tx in txs]
+  updates_fns = [jax.jit(tx.update) for tx in txs]
+  for step in range(6):
+    grads = _grads(params, step)
+    (u_ref, s_ref), (u_cpu, s_cpu) = [f(grads, s) for f, s in zip(updates_fns, states)]
+    assert_close(compare_states(s_ref, s_cpu), compare_updates(u_ref, u_cpu))
+    # Leaves the kernel does not cover run the jnp path: bit for bit.
+    for k in ("d", "e"):
+      np.testing.assert_array_equal(u_ref[k], u_cpu[k])
+    states = [s_ref, s_cpu]
+  for a, b in zip(jax.tree.leaves(s_ref), jax.tree.leaves(s_cpu)):
+    assert jax.typeof(a) == jax.typeof(b)
+
+
+@needs_kernel
+def test_kernel_bf16_grads_and_auto_dispatch():
+  params = {"w": jnp.ones((128, 256), jnp.bfloat16)}
+  grads = {"w": (0.01 * jax.random.normal(jax.random.PRNGKey(0), (128, 256))).astype(jnp.bfloat16)}
+  ref = optax4bit.adamw_4bit(1e-3, min_quantize_size=0, implementation="jnp")
+  auto = optax4bit.adamw_4bit(1e-3, min_quantize_size=0)
+  u_ref, s_ref = jax.jit(ref.update)(grads, ref.init(params), params)
+  u_auto, s_auto = jax.jit(auto.update)(grads, auto.init(params), params)
+  assert u_auto["w"].dtype == jnp.bfloat16
+  assert_close(compare_states(s_ref, s_auto), compare_updates(u_ref, u_auto))
+  # On the CPU backend "auto" picks the kernel: its custom call is in the HLO.
+  hlo = jax.jit(auto.update).lower(grads, auto.init(params), params).as_text()
+  assert "optax4bit_adam_4bit_apply" in hlo
+
+
+def test_dispatch_names():
+  assert dispatch.resolve("cpu") is None  # not a Pallas config
+  steps = dispatch.fused_steps("jnp")
+  assert steps is None
+  if optax4bit.cpu.available():
+    assert isinstance(dispatch.fused_steps("cpu"), cpu_ffi.CpuSteps)
+  else:
+    with pytest.raises(ValueError, match="implementation='cpu'"):
+      optax4bit.adamw_4bit(1e-3, implementation="cpu")
+
+
+def test_covers_only_the_default_recipe():
+  def moments(shape, first="B128/DE", second="Rank-1/Linear"):
+    tx = optax4bit.scale_by_adam_4bit(min_quantize_size=0, first_moment=first,
+                                      second_moment=second)
+    state = tx.init({"w": jnp.zeros(shape)})
+    return state.mu["w"], state.nu["w"]
+  g = jnp.zeros((4, 256))
+  assert cpu_ffi.covers(g, moments((4, 256)))
+  assert not cpu_ffi.covers(jnp.zeros((4, 130)), moments((4, 130)))
+  assert not cpu_ffi.covers(g, moments((4, 256), first="B2048/DE"))
+  assert not cpu_ffi.covers(g, moments((4, 256), second="B128/DE"))
+  stochastic = optax4bit.QuantSpec.parse("B128/DE", signed=True, stochastic=True)
+  assert not cpu_ffi.covers(g, moments((4, 256), first=stochastic))
+
+
+def _sharded_check() -> dict:
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((4, 2), ("x", "y"))
+  shapes = {"w": (8, 512), "c": (6, 256)}
+  specs = {"w": P("x", "y"), "c": P(None, "y")}
+  rng = np.random.RandomState(0)
+  params = {k: jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32),
+                              NamedSharding(mesh, specs[k])) for k, s in shapes.items()}
+  txs = [optax4bit.adamw_4bit(1e-2, min_quantize_size=0, implementation=impl)
+         for impl in ("jnp", "cpu")]
+  states = [tx.init(params) for tx in txs]
+  worst = {}
+  for step in range(4):
+    grads = {k: jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32),
+                               NamedSharding(mesh, specs[k])) for k, s in shapes.items()}
+    out = [jax.jit(tx.update)(grads, s, params) for tx, s in zip(txs, states)]
+    result = {**compare_states(out[0][1], out[1][1]), **compare_updates(out[0][0], out[1][0])}
+    for key, value in result.items():
+      worst[key] = value if key == "same_nan" and not value else max(worst.get(key, value), value)
+    states = [o[1] for o in out]
+  hlo = jax.jit(txs[1].update).lower(grads, states[1], params).as_text()
+  worst["kernel_in_hlo"] = "optax4bit_adam_4bit_apply" in hlo
+  worst["state_sharding_kept"] = all(
+      a.sharding == b.sharding for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])))
+  return worst
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_kernel_sharded_matches_jnp():
+  from subprocess_json import run_json  # pylint: disable=import-outside-toplevel
+  result = run_json(os.path.abspath(__file__))
+  assert result.pop("kernel_in_hlo")
+  assert result.pop("state_sharding_kept")
+  same_nan = result.pop("same_nan")
+  assert_close({k: result[k] for k in ("code_fraction", "code_level", "scale_ulps")},
+               {"update_ulps": result["update_ulps"], "same_nan": same_nan})
+
+
+if __name__ == "__main__":
+  print("RESULTS " + json.dumps(_sharded_check()))
+  sys.exit(0)
