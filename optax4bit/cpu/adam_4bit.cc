@@ -439,6 +439,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   if ((int64_t)table.element_count() != 2 * kTableSize - 1) {
     return ffi::Error::InvalidArgument("table must hold 16 DE values and 15 thresholds");
   }
+  FlushDenormals flush;  // also for the scale reciprocals below
   const Coefficients c = ReadCoefficients(coef.typed_data());
   const float* de_table = table.typed_data();
   const float* thresholds = de_table + kTableSize;
