@@ -10,6 +10,8 @@ Every optimizer of the library takes ``implementation=``:
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
 * ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
   construction if it is not installed.
+  ``jax.export`` refuses its custom calls (no serialization compatibility
+  guarantee): use ``"jnp"`` for an update you export on CPU.
 * ``"pallas"``: the Pallas kernels, lowered through Triton
   (``jax.experimental.pallas.triton.CompilerParams``); needs a CUDA GPU.
 * ``"pallas_interpret"``: the same kernels in Pallas interpret mode, on any
