@@ -267,6 +267,25 @@ def hoist_partial(fn: Callable):
   return rebuild, consts
 
 
+def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts: tuple,
+              covers_shard: Callable[[tuple], bool]):
+  """Runs a fused kernel's ``local_update`` (see `per_shard`) on one leaf:
+  directly if the leaf is not sharded, per shard if it is. Returns None (the
+  caller runs the jnp path) when the shards are uneven (the jnp path raises
+  optax4bit's alignment error) or ``covers_shard(local_shape)`` is False."""
+  keys = (None,) * len(moments)
+  sharding = leaf_sharding(grad)
+  if sharding is None:
+    return local_update(grad, moments, side, keys, None, consts)
+  try:
+    local_shape = tuple(sharding.shard_shape(tuple(grad.shape)))
+  except ValueError:
+    return None
+  if not covers_shard(local_shape):
+    return None
+  return per_shard(local_update, sharding, grad, moments, side, keys, consts)
+
+
 def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tuple,
               side: tuple, keys: tuple, consts: tuple = ()):
   """Runs ``local_update`` on each shard of one leaf under ``jax.shard_map``.

@@ -348,6 +348,16 @@ OPTAX4BIT_HOT void EncodeSecondMoment(int64_t h, const float* __restrict v, floa
   }
 }
 
+// The even and odd elements of a row of d = 2h values.
+void SplitEvenOdd(int64_t h, const float* x, std::vector<float>& even, std::vector<float>& odd) {
+  even.resize(h);
+  odd.resize(h);
+  for (int64_t j = 0; j < h; ++j) {
+    even[j] = x[2 * j];
+    odd[j] = x[2 * j + 1];
+  }
+}
+
 // Checks shared by both calls; sets the rows and the row length d.
 ffi::Error LeafGeometry(const ffi::Buffer<ffi::F32>& grad, const ffi::Buffer<ffi::U8>& v_codes,
                         const ffi::Buffer<ffi::F32>& v_rows, const ffi::Buffer<ffi::F32>& v_cols,
@@ -383,11 +393,8 @@ ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   const uint8_t* codes = v_codes.typed_data();
   const float* row_scales = v_rows.typed_data();
   const float* col_scales = v_cols.typed_data();
-  std::vector<float> col_even(h), col_odd(h);
-  for (int64_t j = 0; j < h; ++j) {
-    col_even[j] = col_scales[2 * j];
-    col_odd[j] = col_scales[2 * j + 1];
-  }
+  std::vector<float> col_even, col_odd;
+  SplitEvenOdd(h, col_scales, col_even, col_odd);
   float* out_rows = new_rows->typed_data();
   RowSplitter splitter(pool, rows, d);
   std::vector<std::vector<uint32_t>> col_max(splitter.NumWorkers(), std::vector<uint32_t>(d, 0));
@@ -449,12 +456,12 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   const uint8_t* old_v_codes = v_codes.typed_data();
   const float* row_scales = v_rows.typed_data();
   const float* new_row_scales = new_v_rows.typed_data();
-  std::vector<float> col_even(h), col_odd(h), inv_col_even(h), inv_col_odd(h);
+  std::vector<float> col_even, col_odd, inv_col_even, inv_col_odd;
+  SplitEvenOdd(h, v_cols.typed_data(), col_even, col_odd);
+  SplitEvenOdd(h, new_v_cols.typed_data(), inv_col_even, inv_col_odd);
   for (int64_t j = 0; j < h; ++j) {
-    col_even[j] = v_cols.typed_data()[2 * j];
-    col_odd[j] = v_cols.typed_data()[2 * j + 1];
-    inv_col_even[j] = InverseTimes4(new_v_cols.typed_data()[2 * j]);
-    inv_col_odd[j] = InverseTimes4(new_v_cols.typed_data()[2 * j + 1]);
+    inv_col_even[j] = InverseTimes4(inv_col_even[j]);
+    inv_col_odd[j] = InverseTimes4(inv_col_odd[j]);
   }
   float* out = update->typed_data();
   uint8_t* m_out = m_codes_out->typed_data();

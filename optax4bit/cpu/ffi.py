@@ -173,21 +173,14 @@ class CpuSteps:
     if not covers(grad, moments):
       return None
     coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    sharding = _sharding.leaf_sharding(grad)
-    if sharding is None:
-      return adam_leaf(grad, moments, coef, nesterov)
-    try:
-      local_shape = tuple(sharding.shard_shape(tuple(grad.shape)))
-    except ValueError:  # uneven: the jnp path raises optax4bit's alignment error
-      return None
-    if not covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments):
-      return None
 
     def local(g, local_moments, side, keys, reduce_scales, consts):
       del side, keys
       return adam_leaf(g, local_moments, consts[0], nesterov, reduce_scales)
 
-    return _sharding.per_shard(local, sharding, grad, moments, (), (None, None), (coef,))
+    return _sharding.run_fused(
+        local, grad, moments, (), (coef,),
+        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments))
 
   def factored(self, *args, **kwargs):
     del args, kwargs

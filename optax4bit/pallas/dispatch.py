@@ -186,18 +186,9 @@ class FusedSteps:
     shape = tuple(grad.shape)
     if not _covers(shape, moments, self.options):
       return None
-    sharding = _sharding.leaf_sharding(grad)
-    if sharding is None:
-      return self._local(kind, grad, moments, tuple(side), (None,) * len(moments), None, (coef,))
-    try:
-      local_shape = tuple(sharding.shard_shape(shape))
-    except ValueError:  # uneven: the jnp path raises optax4bit's alignment error
-      return None
-    if not _covers(local_shape, moments, self.options):
-      return None
-    return _sharding.per_shard(
-        lambda *args: self._local(kind, *args), sharding, grad, moments, tuple(side),
-        (None,) * len(moments), (coef,))
+    return _sharding.run_fused(
+        lambda *args: self._local(kind, *args), grad, moments, tuple(side), (coef,),
+        lambda local_shape: _covers(local_shape, moments, self.options))
 
   def _local(self, kind, grad, moments, side, keys, reduce_scales, consts):
     del keys
