@@ -68,19 +68,12 @@ inline float InverseTimes4(float s) {
   return s > 0.0f ? r : 0.0f;
 }
 
-inline float NanToZero(float x) { return x == x ? x : 0.0f; }
-
-// Clamps a level to [0, 15] (ternaries: std::min/max take references and
-// keep GCC from vectorizing).
-inline float Clamp15(float q) {
-  q = q > 0.0f ? q : 0.0f;
-  return q < 15.0f ? q : 15.0f;
-}
-
 // 16-lane vectors (GCC/Clang vector extensions): table lookups become one
 // permute per 16 elements (vpermps on AVX-512) instead of a select tree.
 typedef float F16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint32_t UI16 __attribute__((vector_size(64)));
+typedef uint16_t W16 __attribute__((vector_size(32)));
 typedef uint8_t U16 __attribute__((vector_size(16)));
 constexpr I16 kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 constexpr I16 kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
@@ -94,7 +87,9 @@ inline void StoreF16(float* p, F16 v) { std::memcpy(p, &v, sizeof(v)); }
 inline I16 LoadCodes16(const uint8_t* p) {
   U16 v;
   std::memcpy(&v, p, sizeof(v));
-  return __builtin_convertvector(v, I16);
+  // Widened in two steps: GCC turns a direct uint8 -> int32 conversion into
+  // scalar code, this into vpmovzx instructions.
+  return __builtin_convertvector(__builtin_convertvector(v, W16), I16);
 }
 inline void StoreCodes16(uint8_t* p, I16 codes) {
   const U16 v = __builtin_convertvector(codes, U16);
@@ -238,14 +233,32 @@ OPTAX4BIT_HOT void NewSecondMoment(int64_t h, const float* __restrict g,
                                    const float* __restrict col_even,
                                    const float* __restrict col_odd, float b2, float one_minus_b2,
                                    float* __restrict v) {
-  for (int64_t j = 0; j < h; ++j) {
-    const int byte = codes[j];
-    const float ge = g[2 * j], go = g[2 * j + 1];
-    const float se = row_scale < col_even[j] ? row_scale : col_even[j];
-    const float so = row_scale < col_odd[j] ? row_scale : col_odd[j];
-    v[j] = one_minus_b2 * (ge * ge) + b2 * (((float)(byte & 15) + 1.0f) * 0.0625f * se);
-    v[h + j] = one_minus_b2 * (go * go) + b2 * (((float)(byte >> 4) + 1.0f) * 0.0625f * so);
+  for (int64_t j = 0; j < h; j += 16) {
+    const I16 byte = LoadCodes16(codes + j);
+    const F16 ga = LoadF16(g + 2 * j), gb = LoadF16(g + 2 * j + 16);
+    const F16 ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+    const F16 ce = LoadF16(col_even + j), co = LoadF16(col_odd + j);
+    const F16 se = row_scale < ce ? row_scale : ce;
+    const F16 so = row_scale < co ? row_scale : co;
+    const F16 de = (__builtin_convertvector(byte & 15, F16) + 1.0f) * 0.0625f;
+    const F16 dodd = (__builtin_convertvector(byte >> 4, F16) + 1.0f) * 0.0625f;
+    StoreF16(v + j, one_minus_b2 * (ge * ge) + b2 * (de * se));
+    StoreF16(v + h + j, one_minus_b2 * (go * go) + b2 * (dodd * so));
   }
+}
+
+// |x| as bits, 0 where x is not finite, for 16 lanes (see FiniteAbsBits).
+inline UI16 FiniteAbsBits16(F16 x) {
+  const UI16 u = (UI16)x & 0x7fffffffu;
+  return u < 0x7f800000u ? u : 0u;
+}
+
+inline UI16 Max16(UI16 a, UI16 b) { return a > b ? a : b; }
+
+inline uint32_t HorizontalMax(UI16 x) {
+  uint32_t r = 0;
+  for (int k = 0; k < 16; ++k) r = x[k] > r ? x[k] : r;
+  return r;
 }
 
 // Maxima of finite |v| of one row into the row scale and the running column
@@ -253,15 +266,19 @@ OPTAX4BIT_HOT void NewSecondMoment(int64_t h, const float* __restrict g,
 OPTAX4BIT_HOT void SecondMomentMaxima(int64_t h, const float* __restrict v, float* __restrict row,
                                       uint32_t* __restrict col_even,
                                       uint32_t* __restrict col_odd) {
-  uint32_t r = 0;
-  for (int64_t j = 0; j < h; ++j) {
-    const uint32_t e = FiniteAbsBits(v[j]), o = FiniteAbsBits(v[h + j]);
-    const uint32_t eo = e > o ? e : o;
-    r = eo > r ? eo : r;
-    col_even[j] = e > col_even[j] ? e : col_even[j];
-    col_odd[j] = o > col_odd[j] ? o : col_odd[j];
+  UI16 r = {};
+  for (int64_t j = 0; j < h; j += 16) {
+    const UI16 e = FiniteAbsBits16(LoadF16(v + j)), o = FiniteAbsBits16(LoadF16(v + h + j));
+    r = Max16(r, Max16(e, o));
+    UI16 ce, co;
+    std::memcpy(&ce, col_even + j, sizeof(ce));
+    std::memcpy(&co, col_odd + j, sizeof(co));
+    ce = Max16(ce, e);
+    co = Max16(co, o);
+    std::memcpy(col_even + j, &ce, sizeof(ce));
+    std::memcpy(col_odd + j, &co, sizeof(co));
   }
-  *row = FromBits(r);
+  *row = FromBits(HorizontalMax(r));
 }
 
 // The Adam update m_hat / (sqrt(v_hat + eps_root) + eps), in the form XLA
@@ -288,63 +305,75 @@ OPTAX4BIT_HOT void NesterovUpdate(int64_t h, const float* __restrict g, const fl
 }
 
 // B128/DE codes of one row of m: block maxima, then nearest entries (the
-// number of the 15 midpoint thresholds below each normalized value).
+// number of the 15 midpoint thresholds below each normalized value, by a
+// binary search of 4 compares whose thresholds are picked by permutes;
+// t[15] = +inf is never selected).
 OPTAX4BIT_HOT void EncodeFirstMoment(int64_t h, const float* __restrict m,
                                      const float* __restrict thresholds,
-                                     float* __restrict block_scales, float* __restrict normalized,
-                                     uint8_t* __restrict codes) {
-  const int64_t blocks = h / kBlockBytes;
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint32_t s = 0;
-    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; ++j) {
-      const uint32_t e = FiniteAbsBits(m[j]), o = FiniteAbsBits(m[h + j]);
-      const uint32_t eo = e > o ? e : o;
-      s = eo > s ? eo : s;
-    }
-    block_scales[b] = FromBits(s);
-    const float inverse = InverseTimes4(FromBits(s));
-    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; ++j) {
-      normalized[j] = NanToZero((m[j] * inverse) * 0.25f);
-      normalized[h + j] = NanToZero((m[h + j] * inverse) * 0.25f);
-    }
+                                     float* __restrict block_scales, uint8_t* __restrict codes) {
+  // t_plus3[k] = t[k + 3] and t_plus1[k] = t[k + 1] save an index add per step.
+  F16 t, t_plus1, t_plus3;
+  for (int k = 0; k < kTableSize; ++k) {
+    t[k] = k < kTableSize - 1 ? thresholds[k] : INFINITY;
+    t_plus1[k] = k + 1 < kTableSize - 1 ? thresholds[k + 1] : INFINITY;
+    t_plus3[k] = k + 3 < kTableSize - 1 ? thresholds[k + 3] : INFINITY;
   }
-  // Number of thresholds below x by binary search: 4 compares, the
-  // thresholds picked by permutes (t[15] = +inf is never selected).
-  F16 t;
-  for (int k = 0; k < kTableSize - 1; ++k) t[k] = thresholds[k];
-  t[kTableSize - 1] = INFINITY;
-  const I16 seven = I16{} + 7;
-  for (int64_t j = 0; j < h; j += 16) {
-    I16 level[2];
-    for (int half = 0; half < 2; ++half) {
-      const F16 x = LoadF16(normalized + half * h + j);
-      I16 c = (x > __builtin_shuffle(t, seven)) & 8;
-      c += (x > __builtin_shuffle(t, c + 3)) & 4;
-      c += (x > __builtin_shuffle(t, c + 1)) & 2;
-      c += (x > __builtin_shuffle(t, c)) & 1;
-      level[half] = c;
+  const F16 t7 = F16{} + thresholds[7];
+  auto level = [&](F16 x) {
+    I16 c = x > t7 ? I16{} + 8 : I16{};
+    c = x > __builtin_shuffle(t_plus3, c) ? c + 4 : c;
+    c = x > __builtin_shuffle(t_plus1, c) ? c + 2 : c;
+    return x > __builtin_shuffle(t, c) ? c + 1 : c;
+  };
+  // Blocks in groups of 16: the maxima, then their reciprocals, then the
+  // codes, so that no block waits on its own division.
+  constexpr int64_t kGroup = 16;
+  const int64_t blocks = h / kBlockBytes;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
+    const int64_t n = std::min(kGroup, blocks - b0);
+    float inverse[kGroup];
+    for (int64_t b = 0; b < n; ++b) {
+      const float* mb = m + (b0 + b) * kBlockBytes;
+      UI16 s = {};
+      for (int64_t j = 0; j < kBlockBytes; j += 16) {
+        s = Max16(s, Max16(FiniteAbsBits16(LoadF16(mb + j)), FiniteAbsBits16(LoadF16(mb + h + j))));
+      }
+      block_scales[b0 + b] = FromBits(HorizontalMax(s));
     }
-    StoreCodes16(codes + j, level[0] | (level[1] << 4));
+    for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
+    for (int64_t b = 0; b < n; ++b) {
+      for (int64_t j = (b0 + b) * kBlockBytes; j < (b0 + b + 1) * kBlockBytes; j += 16) {
+        F16 xe = (LoadF16(m + j) * inverse[b]) * 0.25f;
+        F16 xo = (LoadF16(m + h + j) * inverse[b]) * 0.25f;
+        xe = xe == xe ? xe : 0.0f;
+        xo = xo == xo ? xo : 0.0f;
+        StoreCodes16(codes + j, level(xe) | (level(xo) << 4));
+      }
+    }
   }
 }
 
 // Rank-1/Linear codes of one row of v: ceil(16 n - 1.5) clamped to [0, 15],
-// n = v * max(4 / row scale, 4 / column scale) / 4.
-OPTAX4BIT_HOT void EncodeSecondMoment(int64_t h, const float* __restrict v, float inv_row,
-                                      const float* __restrict inv_col_even,
-                                      const float* __restrict inv_col_odd,
-                                      float* __restrict levels, uint8_t* __restrict codes) {
-  for (int64_t j = 0; j < h; ++j) {
-    const float inverse_even = inv_col_even[j] > inv_row ? inv_col_even[j] : inv_row;
-    const float inverse_odd = inv_col_odd[j] > inv_row ? inv_col_odd[j] : inv_row;
-    const float ne = NanToZero((v[j] * inverse_even) * 0.25f);
-    const float no = NanToZero((v[h + j] * inverse_odd) * 0.25f);
-    const float qe = std::ceil(ne * 16.0f - 1.5f), qo = std::ceil(no * 16.0f - 1.5f);
-    levels[j] = Clamp15(qe);
-    levels[h + j] = Clamp15(qo);
-  }
-  for (int64_t j = 0; j < h; ++j) {
-    codes[j] = (uint8_t)((int)levels[j] | ((int)levels[h + j] << 4));
+// n = v * max(4 / row scale, 4 / column scale) / 4, NaN read as 0. The
+// inverses come times 4 (inverse16): 16 n = v * inverse16 exactly, as scaling
+// by a power of two commutes with rounding. NaN fails y > 0 and gets level 0
+// as 0 does. Clamping before the ceiling gives the same level and keeps the
+// float -> int conversion in range; ceil(y) = trunc(y) + (trunc(y) < y).
+OPTAX4BIT_HOT void EncodeSecondMoment(int64_t h, const float* __restrict v, float row_inverse16,
+                                      const float* __restrict col_inverse16_even,
+                                      const float* __restrict col_inverse16_odd,
+                                      uint8_t* __restrict codes) {
+  auto levels = [row_inverse16](F16 x, F16 col_inverse16) {
+    F16 y = x * (col_inverse16 > row_inverse16 ? col_inverse16 : row_inverse16) - 1.5f;
+    y = y > 0.0f ? y : 0.0f;
+    y = y < 15.0f ? y : 15.0f;
+    const I16 t = __builtin_convertvector(y, I16);
+    return t + ((__builtin_convertvector(t, F16) < y) & 1);
+  };
+  for (int64_t j = 0; j < h; j += 16) {
+    const I16 even = levels(LoadF16(v + j), LoadF16(col_inverse16_even + j));
+    const I16 odd = levels(LoadF16(v + h + j), LoadF16(col_inverse16_odd + j));
+    StoreCodes16(codes + j, even | (odd << 4));
   }
 }
 
@@ -460,8 +489,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   SplitEvenOdd(h, v_cols.typed_data(), col_even, col_odd);
   SplitEvenOdd(h, new_v_cols.typed_data(), inv_col_even, inv_col_odd);
   for (int64_t j = 0; j < h; ++j) {
-    inv_col_even[j] = InverseTimes4(inv_col_even[j]);
-    inv_col_odd[j] = InverseTimes4(inv_col_odd[j]);
+    inv_col_even[j] = InverseTimes4(inv_col_even[j]) * 4.0f;
+    inv_col_odd[j] = InverseTimes4(inv_col_odd[j]) * 4.0f;
   }
   float* out = update->typed_data();
   uint8_t* m_out = m_codes_out->typed_data();
@@ -488,9 +517,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
       } else {
         Update(h, m, v, c, out + i * d);
       }
-      EncodeFirstMoment(h, m, thresholds, m_scales_new + i * blocks, work, m_out + i * h);
-      EncodeSecondMoment(h, v, InverseTimes4(new_row_scales[i]), inv_col_even.data(),
-                         inv_col_odd.data(), work, v_out + i * h);
+      EncodeFirstMoment(h, m, thresholds, m_scales_new + i * blocks, m_out + i * h);
+      EncodeSecondMoment(h, v, InverseTimes4(new_row_scales[i]) * 4.0f, inv_col_even.data(),
+                         inv_col_odd.data(), v_out + i * h);
     }
   });
   return ffi::Error::Success();
