@@ -36,7 +36,6 @@ import time
 import warnings
 
 import jax
-import jax.numpy as jnp
 import optax
 
 # Run from a checkout without installing: `python benchmarks/quantize_state_bytes.py`.
@@ -48,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from optimizer_memory import CONFIGS, gpt_params  # pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from test_quantize_state import problems as _test_problems  # pylint: disable=wrong-import-position
+# pylint: disable-next=wrong-import-position
+from test_quantize_state import minimize, problems as _test_problems
 
 _DISPLAY_NAMES = {"parabola": "parabola", "rosenbrock": "Rosenbrock",
                   "least_squares": "least squares"}
@@ -144,17 +144,7 @@ def problems():
 
 def final_ratios(tx, steps):
   losses, start = problems()
-
-  def total(p):
-    return sum(f(p) for f in losses.values())
-
-  def body(carry, _):
-    p, s = carry
-    updates, s = tx.update(jax.grad(total)(p), s, p)
-    return (optax.apply_updates(p, updates), s), None
-
-  (final, _), _ = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=steps))(
-      start, tx.init(start))
+  final = minimize(tx, losses, start, tx.init(start), steps)
   return {name: float(f(final)) / float(f(start)) for name, f in losses.items()}
 
 

@@ -323,15 +323,10 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
   side_specs = tuple(spec_of(s) for s in side)
   key_specs = jax.tree.map(lambda _: PartitionSpec(), keys)
 
-  def to_local(raw_moments):
-    out = []
-    for r, info in zip(raw_moments, rebuild):
-      if info is None:
-        out.append(r)
-      else:
-        codes, scales = r
-        out.append(QuantizedArray(codes, tuple(scales), info[0], local_shape, info[1]))
-    return tuple(out)
+  def moments_of(raw_moments, leaf_shape):
+    return tuple(r if info is None else
+                 QuantizedArray(r[0], tuple(r[1]), info[0], leaf_shape, info[1])
+                 for r, info in zip(raw_moments, rebuild))
 
   def to_raw(local_moments):
     return tuple((m.codes, m.scales) if isinstance(m, QuantizedArray) else m
@@ -341,7 +336,7 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
     if used:
       index = jax.lax.axis_index(used)
       keys_local = tuple(None if k is None else jax.random.fold_in(k, index) for k in keys_local)
-    update, new = local_update(g, to_local(raw_moments), side_local, keys_local,
+    update, new = local_update(g, moments_of(raw_moments, local_shape), side_local, keys_local,
                                functools.partial(_global_max, dim_axes), consts_local)
     return update, to_raw(new)
 
@@ -359,14 +354,7 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
   # hold by construction (statistics are reduced with pmax before they leave).
   update, new_raw = jax.shard_map(
       body, mesh=mesh, in_specs=arg_specs, out_specs=(spec, raw_specs), check_vma=False)(*args)
-  new_moments = []
-  for r, info in zip(new_raw, rebuild):
-    if info is None:
-      new_moments.append(r)
-    else:
-      codes, scales = r
-      new_moments.append(QuantizedArray(codes, tuple(scales), info[0], shape, info[1]))
-  return update, tuple(new_moments)
+  return update, moments_of(new_raw, shape)
 
 
 # ----------------------------------------------------------------------------

@@ -8,11 +8,10 @@ Prints one ``RESULTS <json>`` line.
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 
-from sharding_checks import run_sharded  # sets the 8-device XLA flag before JAX starts
+# sharding_checks sets the 8-device XLA flag before JAX starts.
+from sharding_checks import main as run_checks, run_sharded
 
 import optax  # noqa: E402  (after the flag)
 
@@ -34,15 +33,5 @@ CHECKS = {
 }
 
 
-def main(names):
-  results = {}
-  for name in names or CHECKS:
-    try:
-      results[name] = {"ok": True, "value": CHECKS[name]()}
-    except Exception:  # pylint: disable=broad-except
-      results[name] = {"ok": False, "error": traceback.format_exc()}
-  print("RESULTS " + json.dumps(results))
-
-
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  run_checks(sys.argv[1:], CHECKS)

@@ -215,10 +215,9 @@ CONVERGENCE = {
 TOLERANCE = {"parabola": 1e-6, "rosenbrock": 2e-2, "least_squares": 1e-4}
 
 
-@pytest.mark.parametrize("name", sorted(CONVERGENCE))
-def test_converges(name):
-  losses, start = problems()
-  tx = optax4bit.quantize_state(CONVERGENCE[name](), min_quantize_size=0)
+def minimize(tx, losses, start, state, steps):
+  """The params after ``steps`` jitted steps of ``tx`` on the sum of ``losses``
+  (also used by benchmarks/quantize_state_bytes.py)."""
 
   def total(p):
     return sum(f(p) for f in losses.values())
@@ -228,10 +227,18 @@ def test_converges(name):
     updates, s = tx.update(jax.grad(total)(p), s, p)
     return (optax.apply_updates(p, updates), s), None
 
+  (final, _), _ = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=steps))(
+      start, state)
+  return final
+
+
+@pytest.mark.parametrize("name", sorted(CONVERGENCE))
+def test_converges(name):
+  losses, start = problems()
+  tx = optax4bit.quantize_state(CONVERGENCE[name](), min_quantize_size=0)
   state = tx.init(start)
   assert len(quantized_leaves(state)) >= 4, "every state leaf of every problem is quantized"
-  (final, _), _ = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=STEPS))(
-      start, state)
+  final = minimize(tx, losses, start, state, STEPS)
   for problem, loss in losses.items():
     ratio = float(loss(final)) / float(loss(start))
     assert ratio < TOLERANCE[problem], (problem, ratio)

@@ -52,14 +52,7 @@ constexpr int64_t kTableSize = 16;      // 4-bit DE values
 constexpr int64_t kCoefSize = 10;       // see optax4bit.pallas.optim.adam_coefficients
 constexpr int64_t kGrainElements = 1 << 16;
 
-inline uint32_t Bits(float x) { return __builtin_bit_cast(uint32_t, x); }
 inline float FromBits(uint32_t u) { return __builtin_bit_cast(float, u); }
-
-// |x| as bits, 0 for non-finite x: non-negative floats order like their bits.
-inline uint32_t FiniteAbsBits(float x) {
-  const uint32_t u = Bits(x) & 0x7fffffffu;
-  return u < 0x7f800000u ? u : 0u;
-}
 
 // 4 / s (0 for s == 0), as optax4bit.quant.normalize._inverse_times_4.
 inline float InverseTimes4(float s) {
@@ -245,7 +238,8 @@ OPTAX4BIT_HOT void NewSecondMoment(int64_t h, const float* __restrict g,
   }
 }
 
-// |x| as bits, 0 where x is not finite, for 16 lanes (see FiniteAbsBits).
+// |x| as bits, 0 where x is not finite, for 16 lanes: non-negative floats
+// order like their bits.
 inline UI16 FiniteAbsBits16(F16 x) {
   const UI16 u = (UI16)x & 0x7fffffffu;
   return u < 0x7f800000u ? u : 0u;
