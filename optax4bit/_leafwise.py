@@ -436,17 +436,24 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
   return update_buf, tuple(new_moments)
 
 
-def _zero_after(tree) -> jax.Array:
-  """An int32 0 that XLA cannot compute before ``tree``'s first array leaf:
-  the sign bit of its first element shifted out (``(u >> 31) >> 1``, which
-  XLA does not fold)."""
-  first = jax.tree.leaves(tree)[0]
-  if _sharding.leaf_sharding(first) is not None:
+def _zero_after(result) -> jax.Array:
+  """An int32 0 that XLA cannot compute before the leaf step that returned
+  ``result = (update, new_moments)`` has finished: the sign bit of one stored
+  value shifted out (``(u >> 31) >> 1``, which XLA does not fold).
+
+  The value is read from the new codes, which the step's last pass writes and
+  nothing changes afterwards. Reading the update instead would keep it alive
+  past the caller's in-place transforms of it (weight decay, learning rate),
+  and XLA would then copy the gradient under it first."""
+  update, moments = result
+  codes = [x for x in jax.tree.leaves(moments) if jnp.dtype(x.dtype) == jnp.uint8]
+  candidates = codes or [update]
+  if _sharding.leaf_sharding(candidates[0]) is not None:
     # Explicit sharding forbids picking one element of a sharded axis: use the
-    # maximum of the smallest array (a scale vector; a scalar all-reduce).
-    value = jnp.max(min(jax.tree.leaves(tree), key=lambda x: x.size))
+    # maximum of the smallest array (a scalar all-reduce).
+    value = jnp.max(min(candidates, key=lambda x: x.size))
   else:
-    value = first.reshape(-1)[0]
+    value = candidates[0].reshape(-1)[0]
   word = jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.uint32)
   return jax.lax.shift_right_logical(
       jax.lax.shift_right_logical(word, np.uint32(31)), np.uint32(1)).astype(jnp.int32)

@@ -8,6 +8,8 @@
 * The zero-point problem is visible with ``B128/DE`` for the second moment and
   absent with ``Rank-1/Linear``.
 * ``state_nbytes`` reports the true storage.
+* A jitted update with donated gradients writes every update over its
+  gradient: no leaf-sized temporary.
 """
 
 from __future__ import annotations
@@ -262,3 +264,31 @@ def test_state_nbytes_counts_unquantized_leaves_and_wrappers():
   del hyper
   fp32 = nbytes_of(optax.adamw(1e-3).init(params))
   assert optax4bit.state_nbytes(state) < 0.14 * fp32
+
+
+# ----------------------------------------------------------------------------
+# In-place updates.
+
+GPT_LIKE = {"embed": (1024, 256), "final_norm": (256,)} | {
+    f"layer{i}": {"attn_norm": (256,), "qkv": (256, 768), "mlp_in": (256, 1024),
+                  "mlp_out": (1024, 256)} for i in range(2)}
+
+
+@pytest.mark.parametrize("name,make", [
+    ("adamw_4bit", lambda: optax4bit.adamw_4bit(1e-3, chunk_size=2**13)),
+    ("adamw_4bit jnp", lambda: optax4bit.adamw_4bit(1e-3, chunk_size=2**13, implementation="jnp")),
+    ("adamw_4bit_factor", lambda: optax4bit.adamw_4bit_factor(1e-3, chunk_size=2**13)),
+    ("sgdm_4bit", lambda: optax4bit.sgdm_4bit(1e-3, chunk_size=2**13)),
+    ("adamw_8bit", lambda: optax4bit.adamw_8bit(1e-3, chunk_size=2**13)),
+])
+def test_donated_update_copies_no_gradient(name, make):
+  # With gradients and state donated, every update is written over its own
+  # gradient: no leaf-sized temporary. (Reading a leaf's update to order the
+  # next leaf after it once made XLA copy the gradients under it.)
+  params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), GPT_LIKE,
+                        is_leaf=lambda x: isinstance(x, tuple))
+  tx = make()
+  state = jax.eval_shape(tx.init, params)
+  compiled = jax.jit(tx.update, donate_argnums=(0, 1)).lower(params, state, params).compile()
+  smallest_matrix = 256 * 768 * 4
+  assert compiled.memory_analysis().temp_size_in_bytes < smallest_matrix / 2, name
