@@ -11,9 +11,10 @@ compiles, for each optimizer, a train step whose gradients come from matmuls
 jitted with params and state donated. ``memory_analysis().temp_size_in_bytes``
 of that step minus the same step with ``optax.sgd`` (whose temporaries are
 just the gradients) is the transient memory the optimizer adds (SPEC.md 4).
-The raw ``temp_size_in_bytes`` of ``jax.jit(tx.update)`` alone is printed too:
-there the gradients are a read-only input, so an update that works in place of
-the gradient must copy it first. State bytes come from
+The raw ``temp_size_in_bytes`` of ``jax.jit(tx.update)`` alone is printed too,
+twice: with the gradients and state donated (the jitted, donated update), and
+with only the state donated, where the gradients are a read-only input that an
+update working in place of the gradient must copy first. State bytes come from
 ``jax.eval_shape(tx.init, params)``.
 
     python benchmarks/optimizer_memory.py
@@ -87,18 +88,20 @@ def train_step_temp(tx, params) -> float:
   return compiled.memory_analysis().temp_size_in_bytes / MiB
 
 
-def update_only_temp(tx, params) -> float:
+def update_only_temp(tx, params, donate_grads: bool) -> float:
   state = jax.eval_shape(tx.init, params)
-  compiled = jax.jit(tx.update, donate_argnums=1).lower(params, state, params).compile()
+  donate = (0, 1) if donate_grads else 1
+  compiled = jax.jit(tx.update, donate_argnums=donate).lower(params, state, params).compile()
   return compiled.memory_analysis().temp_size_in_bytes / MiB
 
 
-def measure(tx, params, sgd_temp: float) -> tuple[float, float, float]:
-  """(state bytes/param, train-step temp over SGD in MiB, update-only temp in MiB)."""
+def measure(tx, params, sgd_temp: float) -> tuple[float, float, float, float]:
+  """(state bytes/param, train-step temp over SGD, update-only temp with donated
+  gradients, update-only temp with read-only gradients), temps in MiB."""
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
   state = jax.eval_shape(tx.init, params)
   return (optax4bit.state_nbytes(state) / num_params, train_step_temp(tx, params) - sgd_temp,
-          update_only_temp(tx, params))
+          update_only_temp(tx, params, True), update_only_temp(tx, params, False))
 
 
 def main(argv=None):
@@ -108,19 +111,19 @@ def main(argv=None):
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__}, backend {jax.default_backend()}")
   header = "| optimizer | " + " | ".join(
-      f"{c} state bytes/param | {c} step temp over SGD (MiB) | {c} update-only temp (MiB)"
-      for c in args.configs) + " |"
+      f"{c} state bytes/param | {c} step temp over SGD (MiB) | {c} donated update temp (MiB)"
+      f" | {c} update temp, read-only grads (MiB)" for c in args.configs) + " |"
   print(header)
-  print("|" + "---|" * (1 + 3 * len(args.configs)))
+  print("|" + "---|" * (1 + 4 * len(args.configs)))
   sizes = {c: sum(math.prod(p.shape) for p in jax.tree.leaves(gpt_params(**CONFIGS[c])))
            for c in args.configs}
   sgd_temps = {c: train_step_temp(optax.sgd(1e-3), gpt_params(**CONFIGS[c])) for c in args.configs}
   for name in args.optimizers:
     cells = []
     for config in args.configs:
-      per_param, step_temp, update_temp = measure(
-          OPTIMIZERS[name](), gpt_params(**CONFIGS[config]), sgd_temps[config])
-      cells += [f"{per_param:.3f}", f"{step_temp:.1f}", f"{update_temp:.1f}"]
+      per_param, *temps = measure(OPTIMIZERS[name](), gpt_params(**CONFIGS[config]),
+                                  sgd_temps[config])
+      cells += [f"{per_param:.3f}"] + [f"{t:.1f}" for t in temps]
     print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
   print("SGD train-step temp (the gradients): " + ", ".join(
       f"{c} = {t:.1f} MiB" for c, t in sgd_temps.items()))

@@ -1,28 +1,29 @@
 """Step time of the jitted, donated optimizer update on CPU, as a ratio to
 ``optax.adamw`` measured in the same run.
 
-For each optimizer the step ``updates, state = tx.update(grads, state, params);
-params = optax.apply_updates(params, updates)`` is jitted with params and state
-donated; steps of all optimizers are interleaved round by round so that
-machine noise hits them alike, and the median per optimizer is reported.
+Steps of all optimizers are interleaved round by round so that machine noise
+hits them alike, and the median per optimizer is reported. ``--step`` picks
+what is jitted:
+
+* ``update`` (default): ``jax.jit(tx.update, donate_argnums=(0, 1))``, the
+  update with its gradients and state donated; params are a read-only input.
+  This is the issue's "jitted, donated update".
+* ``apply``: ``updates, state = tx.update(grads, state, params); params =
+  optax.apply_updates(params, updates)`` with params and state donated and the
+  gradients a read-only input. The 4-bit optimizers write each leaf's update
+  over its gradient (to keep transient memory flat), so XLA first copies every
+  read-only gradient into fresh memory; the row "in-place floor" measures that
+  cost alone: an update that writes one element of each gradient in place and
+  does no optimizer math.
+* ``train``: as ``apply``, but the gradients are computed inside the step, by
+  a backward pass through a thin linear layer per leaf (two small matmuls),
+  which leaves them in fresh buffers as a training step does. The gradient
+  cost is shared by every optimizer; the ``optax.sgd`` row shows it with the
+  cheapest update, and the last columns subtract it.
 
     python benchmarks/optimizer_speed.py                 # SPEC tree: 4 x 2048x2048
     python benchmarks/optimizer_speed.py --tree gpt124m  # GPT-like, 124M params
-    python benchmarks/optimizer_speed.py --grads in-step # gradients made in the step
-
-By default (``--grads input``) the gradients are a jit input that is not
-donated, as the issue's benchmark defines it. The 4-bit optimizers write each
-leaf's update over its gradient (to keep transient memory flat), so XLA first
-copies every read-only gradient into fresh memory. The row "in-place floor"
-measures that cost alone: an update that writes one element of each gradient
-in place and does no optimizer math. ``--grads in-step`` computes the
-gradients inside the jitted step instead, by a backward pass through a thin
-linear layer per leaf (two small matmuls), which is how a training step hands
-them to the optimizer: as intermediates, which the update may overwrite
-without a copy. The gradient cost is shared by every optimizer; the
-``optax.sgd`` row shows it with the cheapest update. ``--grads donated`` passes fresh, donated gradient buffers
-each step (copied outside the timed region); no output of the step can alias
-them, so XLA still copies them before an in-place update.
+    python benchmarks/optimizer_speed.py --step train    # gradients made in the step
 """
 
 from __future__ import annotations
@@ -85,49 +86,59 @@ def main(argv=None):
   parser.add_argument("--tree", default="spec", choices=["spec", "gpt124m"])
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
-  parser.add_argument("--grads", default="input", choices=["input", "in-step", "donated"],
-                      help="a read-only jit input (default), computed in the step, or donated")
+  parser.add_argument("--step", default="update", choices=["update", "apply", "train"],
+                      help="the donated update alone (default), update + apply with read-only "
+                      "gradients, or update + apply with gradients computed in the step")
   args = parser.parse_args(argv)
-  donate = (0, 1, 2) if args.grads == "donated" else (0, 1)
   params = make_tree(args.tree)
   grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
-  # In-step gradients: those of a thin linear layer's squared output, the
-  # gradients a backward pass leaves in fresh buffers (rows of 8 inputs keep
-  # the two matmuls per leaf cheap next to the optimizer).
+  # Gradients for --step train: those of a thin linear layer's squared output,
+  # which a backward pass leaves in fresh buffers (rows of 8 inputs keep the
+  # two matmuls per leaf cheap next to the optimizer).
   inputs = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(1), (8, p.shape[0])) / 30,
                         params)
   gradient_of = jax.grad(lambda p: sum(jnp.sum(jnp.square(x @ w))
                                        for x, w in zip(jax.tree.leaves(inputs), jax.tree.leaves(p))))
 
   def fresh_grads():
-    if args.grads != "donated":
+    # Donated gradients are consumed by each call: copy them outside the timing.
+    if args.step != "update":
       return grads
     return jax.block_until_ready(jax.tree.map(jnp.copy, grads))
+
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, tree {args.tree}: "
-        f"{num_params / 1e6:.1f}M params, gradients: {args.grads}")
+        f"{num_params / 1e6:.1f}M params, step: {args.step}")
   runs = {}
   for name in args.optimizers:
     tx = OPTIMIZERS[name]()
-
-    def step(p, s, g, tx=tx):
-      if args.grads == "in-step":
-        g = gradient_of(p)
-      updates, s = tx.update(g, s, p)
-      return optax.apply_updates(p, updates), s
-
     p = jax.tree.map(jnp.copy, params)
     s = tx.init(p)
-    compiled = jax.jit(step, donate_argnums=donate).lower(p, s, grads).compile()
-    p, s = compiled(p, s, fresh_grads())  # warm-up
-    jax.block_until_ready(p)
-    runs[name] = [compiled, p, s, []]
+    if args.step == "update":
+      compiled = jax.jit(tx.update, donate_argnums=(0, 1)).lower(grads, s, p).compile()
+
+      def call(p, s, g, compiled=compiled):
+        updates, s = compiled(g, s, p)
+        jax.block_until_ready(updates)  # then dropped; params stay as they are
+        return p, s
+    else:
+      def step(p, s, g, tx=tx):
+        if args.step == "train":
+          g = gradient_of(p)
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+      compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, grads).compile()
+      call = compiled
+    p, s = call(p, s, fresh_grads())  # warm-up
+    jax.block_until_ready(s)
+    runs[name] = [call, p, s, []]
   for _ in range(args.rounds):
     for name, run in runs.items():
-      compiled, p, s, times = run
+      call, p, s, times = run
       g = fresh_grads()
       start = time.perf_counter()
-      p, s = compiled(p, s, g)
+      p, s = call(p, s, g)
       jax.block_until_ready((p, s))
       times.append(time.perf_counter() - start)
       run[1], run[2] = p, s
@@ -136,7 +147,7 @@ def main(argv=None):
   # With in-step gradients every step pays for them: the time over the
   # cheapest update (optax.sgd) isolates what the optimizer adds.
   sgd = medians.get("optax.sgd")
-  over = args.grads == "in-step" and sgd is not None and base is not None and base > sgd
+  over = args.step == "train" and sgd is not None and base is not None and base > sgd
   print("| optimizer | median ms/step | ratio to optax.adamw |"
         + (" ms over optax.sgd | ratio of ms over optax.sgd |" if over else ""))
   print("|---|---|---|" + ("---|---|" if over else ""))
