@@ -441,13 +441,19 @@ def _zero_after(result) -> jax.Array:
   ``result = (update, new_moments)`` has finished: the sign bit of one stored
   value shifted out (``(u >> 31) >> 1``, which XLA does not fold).
 
-  The value is read from the new codes, which the step's last pass writes and
-  nothing changes afterwards. Reading the update instead would keep it alive
+  The value is read from what the step's last pass writes and nothing changes
+  afterwards: the new codes, and block-wise scales (rank-1 and tensor scales
+  come from the first pass). Reading the update instead would keep it alive
   past the caller's in-place transforms of it (weight decay, learning rate),
   and XLA would then copy the gradient under it first."""
   update, moments = result
-  codes = [x for x in jax.tree.leaves(moments) if jnp.dtype(x.dtype) == jnp.uint8]
-  candidates = codes or [update]
+  written_last = []
+  for moment in jax.tree.leaves(moments, is_leaf=lambda x: isinstance(x, QuantizedArray)):
+    if isinstance(moment, QuantizedArray):
+      written_last.append(moment.codes)
+      if not _plan(moment).needs_second_pass:
+        written_last.extend(moment.scales)
+  candidates = written_last or [update]
   if _sharding.leaf_sharding(candidates[0]) is not None:
     # Explicit sharding forbids picking one element of a sharded axis: use the
     # maximum of the smallest array (a scalar all-reduce).
