@@ -436,6 +436,15 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
   return update_buf, tuple(new_moments)
 
 
+def stored_value(x: jax.Array) -> jax.Array:
+  """A scalar that XLA can only compute once ``x`` exists: its first element,
+  or under explicit sharding (which forbids picking one element of a sharded
+  axis) its maximum, a scalar all-reduce."""
+  if _sharding.leaf_sharding(x) is not None:
+    return jnp.max(x)
+  return x.reshape(-1)[0]
+
+
 def _zero_after(result) -> jax.Array:
   """An int32 0 that XLA cannot compute before the leaf step that returned
   ``result = (update, new_moments)`` has finished: the sign bit of one stored
@@ -455,12 +464,8 @@ def _zero_after(result) -> jax.Array:
         written_last.extend(moment.scales)
   candidates = written_last or [update]
   if _sharding.leaf_sharding(candidates[0]) is not None:
-    # Explicit sharding forbids picking one element of a sharded axis: use the
-    # maximum of the smallest array (a scalar all-reduce).
-    value = jnp.max(min(candidates, key=lambda x: x.size))
-  else:
-    value = candidates[0].reshape(-1)[0]
-  word = jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.uint32)
+    candidates = [min(candidates, key=lambda x: x.size)]  # the cheapest to reduce
+  word = jax.lax.bitcast_convert_type(stored_value(candidates[0]).astype(jnp.float32), jnp.uint32)
   return jax.lax.shift_right_logical(
       jax.lax.shift_right_logical(word, np.uint32(31)), np.uint32(1)).astype(jnp.int32)
 

@@ -581,9 +581,10 @@ def _completion_token(tree) -> Optional[jax.Array]:
   codes = [x for x in jax.tree.leaves(tree) if jnp.dtype(x.dtype) == jnp.uint8]
   if not codes:
     return None
-  # max(codes) >= 0 is finite, so the product is exactly +0.0; XLA does not
-  # fold ``float * 0`` (NaN semantics), so the data dependency survives.
-  return sum(jnp.max(c).astype(jnp.float32) for c in codes) * 0.0
+  # One code of each array (not a reduction over all of them): a code is a
+  # finite uint8, so the product is exactly +0.0; XLA does not fold
+  # ``float * 0`` (NaN semantics), so the data dependency survives.
+  return sum(_leafwise.stored_value(c).astype(jnp.float32) for c in codes) * 0.0
 
 
 def _after(token, tree):
