@@ -36,6 +36,7 @@ from optax4bit.wrappers import (
     quantize_state,
 )
 from optax4bit import diagnostics  # submodule; its plots import matplotlib lazily
+from optax4bit import recipes
 
 __version__ = "0.1.0"
 

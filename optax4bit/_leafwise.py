@@ -32,7 +32,7 @@ import numpy as np
 
 from optax4bit import sharding as _sharding
 from optax4bit.quant import array as qarray
-from optax4bit.quant import normalize
+from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 
 DEFAULT_CHUNK_SIZE = 1 << 18
@@ -48,8 +48,10 @@ def decode_moment(moment) -> jax.Array:
   return moment.astype(jnp.float32)
 
 
-def _uniform(key, shape):
-  return jax.random.uniform(key, shape, jnp.float32)
+def _uniform(key, shape, first_row=0):
+  """Stochastic rounding's draws for rows ``first_row, ...`` of a leaf: the
+  same for an element whatever the chunking (see `maps.hashed_uniform`)."""
+  return maps.hashed_uniform(maps.rounding_seed(key), shape, first_row)
 
 
 def encode_moment(value: jax.Array, like, key=None, reduce_scales=None):
@@ -269,9 +271,6 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
   align = _chunk_rows(grad.shape, plans, 0)
   offset = _ROW_OFFSET.get()  # a runtime 0 that orders leaves (sequential_map)
 
-  def chunk_key(i, chunk_index):
-    return None if keys[i] is None else jax.random.fold_in(keys[i], chunk_index)
-
   def run_step(grad_rows, buffers, start, size):
     """The step on a chunk, unmaterialized: callers materialize what they use
     (a barrier around all outputs would keep XLA from dropping the unused)."""
@@ -305,7 +304,7 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
   # chunk where it was read from. A chunk's results are written one iteration
   # later, after the next chunk is computed: a write fused with the reads of
   # the same buffer makes XLA copy the whole buffer to update it in place.
-  def compute_chunk(grad_buf, bufs, start, size, chunk_index):
+  def compute_chunk(grad_buf, bufs, start, size):
     update, new = _materialized(run_step(grad_buf, bufs, start, size))
     out = []
     for i, (moment, plan) in enumerate(zip(moments, plans)):
@@ -318,7 +317,7 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
                              for s, f in zip(new_global[i], plan.scale_factors))
       else:
         chunk_scales = normalize.compute_scales(normalize.finite_abs(new[i]), layout)
-      uniform = (_uniform(chunk_key(i, chunk_index), new[i].shape)
+      uniform = (_uniform(keys[i], new[i].shape, start)
                  if moment.spec.stochastic else None)
       codes = qarray.encode(new[i], chunk_scales, moment.spec, layout, uniform)
       local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
@@ -408,13 +407,13 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
   def apply_body(c, carry):
     grad_buf, bufs, pending, tail_results = carry
     grad_buf, bufs = write_chunk(grad_buf, bufs, pending, chunk_start(jnp.maximum(c - 1, 0)))
-    results = compute_chunk(grad_buf, bufs, chunk_start(c), rows, c)
+    results = compute_chunk(grad_buf, bufs, chunk_start(c), rows)
     if overlap_last:
       results = keep_written_rows(
           results, read_stored(grad_buf, bufs, chunk_start(c), rows), c)
     return grad_buf, bufs, results, tail_results
 
-  tail_results = (compute_chunk(grad_buf, buffers, offset + num_full * rows, tail, num_full)
+  tail_results = (compute_chunk(grad_buf, buffers, offset + num_full * rows, tail)
                   if tail else ())
   stored = read_stored(grad_buf, buffers, chunk_start(0), rows)  # a no-op write at c = 0
   carry = (grad_buf, buffers, stored, tail_results)

@@ -43,8 +43,9 @@ def adam_4bit(
     mu_dtype: Optional[Any] = None,
     *,
     nesterov: bool = False,
-    first_moment: SpecLike = "B128/DE",
-    second_moment: SpecLike = "Rank-1/Linear",
+    recipe: str = "default",
+    first_moment: Optional[SpecLike] = None,
+    second_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
@@ -64,8 +65,9 @@ def adam_4bit(
     eps_root: term added to the second moment inside the square root.
     mu_dtype: dtype of first moments kept unquantized (default float32).
     nesterov: Nesterov momentum.
-    first_moment: quantizer of the first moment (default ``"B128/DE"``).
-    second_moment: quantizer of the second moment (default ``"Rank-1/Linear"``).
+    recipe: ``"default"`` or ``"paper"`` (see `optax4bit.recipes`).
+    first_moment: quantizer of the first moment, overriding the recipe's.
+    second_moment: quantizer of the second moment, overriding the recipe's.
     min_quantize_size: leaves with at most this many elements stay float32.
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
@@ -95,7 +97,7 @@ def adam_4bit(
   _check_learning_rate(learning_rate)
   return optax.chain(
       transform.scale_by_adam_4bit(
-          b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, first_moment=first_moment,
+          b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, recipe=recipe, first_moment=first_moment,
           second_moment=second_moment, min_quantize_size=min_quantize_size,
           quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
           implementation=implementation),
@@ -114,8 +116,9 @@ def adamw_4bit(
     mask: MaskOrFn = None,
     *,
     nesterov: bool = False,
-    first_moment: SpecLike = "B128/DE",
-    second_moment: SpecLike = "Rank-1/Linear",
+    recipe: str = "default",
+    first_moment: Optional[SpecLike] = None,
+    second_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
@@ -142,8 +145,9 @@ def adamw_4bit(
     weight_decay: decoupled weight decay (a float or a schedule).
     mask: which leaves get weight decay (as in ``optax.adamw``).
     nesterov: Nesterov momentum.
-    first_moment: quantizer of the first moment (default ``"B128/DE"``).
-    second_moment: quantizer of the second moment (default ``"Rank-1/Linear"``).
+    recipe: ``"default"`` or ``"paper"`` (see `optax4bit.recipes`).
+    first_moment: quantizer of the first moment, overriding the recipe's.
+    second_moment: quantizer of the second moment, overriding the recipe's.
     min_quantize_size: leaves with at most this many elements stay float32.
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
@@ -173,7 +177,7 @@ def adamw_4bit(
   _check_weight_decay(weight_decay)
   return optax.chain(
       transform.scale_by_adam_4bit(
-          b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, first_moment=first_moment,
+          b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, recipe=recipe, first_moment=first_moment,
           second_moment=second_moment, min_quantize_size=min_quantize_size,
           quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
           implementation=implementation),
@@ -191,8 +195,9 @@ def adamw_4bit_factor(
     weight_decay: optax.ScalarOrSchedule = 1e-4,
     mask: MaskOrFn = None,
     *,
-    first_moment: SpecLike = "B128/DE",
-    second_moment: SpecLike = "Rank-1/Linear",
+    recipe: str = "default",
+    first_moment: Optional[SpecLike] = None,
+    second_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
@@ -213,8 +218,10 @@ def adamw_4bit_factor(
     eps_root: term added to the second moment inside the square root.
     weight_decay: decoupled weight decay (a float or a schedule).
     mask: which leaves get weight decay (as in ``optax.adamw``).
-    first_moment: quantizer of the first moment (default ``"B128/DE"``).
-    second_moment: quantizer of the second moment of 1-D tensors.
+    recipe: ``"default"`` or ``"paper"`` (see `optax4bit.recipes`).
+    first_moment: quantizer of the first moment, overriding the recipe's.
+    second_moment: quantizer of the second moment of 1-D tensors, overriding
+      the recipe's.
     min_quantize_size: leaves with at most this many elements stay float32.
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
@@ -239,7 +246,8 @@ def adamw_4bit_factor(
   _check_weight_decay(weight_decay)
   return optax.chain(
       transform.scale_by_factored_adam_4bit(
-          b1, b2, eps, eps_root, first_moment=first_moment, second_moment=second_moment,
+          b1, b2, eps, eps_root, recipe=recipe, first_moment=first_moment,
+          second_moment=second_moment,
           min_quantize_size=min_quantize_size, quantize_mask=quantize_mask, seed=seed,
           chunk_size=chunk_size, implementation=implementation),
       optax.add_decayed_weights(weight_decay, mask),
@@ -314,7 +322,8 @@ def sgdm_4bit(
     momentum: float = 0.9,
     nesterov: bool = False,
     *,
-    first_moment: SpecLike = "B128/DE",
+    recipe: str = "default",
+    first_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
@@ -328,7 +337,9 @@ def sgdm_4bit(
     learning_rate: a float or an ``optax`` schedule.
     momentum: decay of the momentum buffer.
     nesterov: Nesterov momentum.
-    first_moment: quantizer of the momentum buffer (default ``"B128/DE"``).
+    recipe: ``"default"`` (momentum ``B128/NF`` with stochastic rounding) or
+      ``"paper"`` (``B128/DE``, nearest rounding).
+    first_moment: quantizer of the momentum buffer, overriding the recipe's.
     min_quantize_size: leaves with at most this many elements stay float32.
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
@@ -352,7 +363,7 @@ def sgdm_4bit(
   _check_learning_rate(learning_rate)
   return optax.chain(
       transform.scale_by_momentum_4bit(
-          momentum, nesterov, first_moment=first_moment, min_quantize_size=min_quantize_size,
+          momentum, nesterov, recipe=recipe, first_moment=first_moment, min_quantize_size=min_quantize_size,
           quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
           implementation=implementation),
       optax.scale_by_learning_rate(learning_rate),

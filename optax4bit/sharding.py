@@ -268,12 +268,13 @@ def hoist_partial(fn: Callable):
 
 
 def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts: tuple,
-              covers_shard: Callable[[tuple], bool]):
+              covers_shard: Callable[[tuple], bool], keys: Optional[tuple] = None):
   """Runs a fused kernel's ``local_update`` (see `per_shard`) on one leaf:
   directly if the leaf is not sharded, per shard if it is. Returns None (the
   caller runs the jnp path) when the shards are uneven (the jnp path raises
-  optax4bit's alignment error) or ``covers_shard(local_shape)`` is False."""
-  keys = (None,) * len(moments)
+  optax4bit's alignment error) or ``covers_shard(local_shape)`` is False.
+  ``keys``: one PRNG key (or None) per moment, for stochastic rounding."""
+  keys = (None,) * len(moments) if keys is None else tuple(keys)
   sharding = leaf_sharding(grad)
   if sharding is None:
     return local_update(grad, moments, side, keys, None, consts)

@@ -12,11 +12,12 @@ import numpy as np
 import optax
 
 from optax4bit import _leafwise
+from optax4bit import recipes as _recipes
 from optax4bit import sharding as _sharding
 from optax4bit.pallas import dispatch as _pallas
 from optax4bit.quant import array as qarray
 from optax4bit.quant.array import QuantizedArray
-from optax4bit.quant.spec import QuantSpec, SpecLike, as_spec
+from optax4bit.quant.spec import QuantSpec, SpecLike
 
 __all__ = [
     "FactoredMoment",
@@ -205,8 +206,11 @@ def _chunk_size(chunk_size) -> int:
   return check_static_int("chunk_size", chunk_size, minimum=1)
 
 
-_QUANT_ARGS_DOC = """first_moment: quantizer of the first moment: a name such as ``"B128/DE"``
-      (signed) or a `QuantSpec`.
+_QUANT_ARGS_DOC = """recipe: ``"default"`` (first moment ``B128/NF`` with stochastic rounding,
+      second moment ``Rank-1/SqrtDE-0``) or ``"paper"`` (``B128/DE`` and
+      ``Rank-1/Linear``, nearest rounding); see `optax4bit.recipes`.
+    first_moment: quantizer of the first moment, overriding the recipe's: a
+      name such as ``"B128/DE"`` (signed) or a `QuantSpec`.
     min_quantize_size: leaves with at most this many elements keep float32
       moments (the paper's rule, 4096).
     quantize_mask: a pytree of bools like the params (or a prefix of it), or a
@@ -223,21 +227,20 @@ _QUANT_ARGS_DOC = """first_moment: quantizer of the first moment: a name such as
       ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
       interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
       see `optax4bit.pallas.dispatch`. Leaves the kernels do not cover
-      (float32, 8-bit, stochastic rounding) always use the jnp reference."""
+      (float32, 8-bit, other quantizers) always use the jnp reference."""
 
 
 # ----------------------------------------------------------------------------
 # Adam.
 
 
-def _check_adam_args(b1, b2, eps, eps_root, first_moment, second_moment) -> tuple:
+def _check_adam_args(b1, b2, eps, eps_root, recipe, first_moment, second_moment) -> tuple:
   """Validates Adam's hyperparameters; returns the moments' `QuantSpec`s."""
   check_hyperparam("b1", b1, low=0, high=1, high_open=True)
   check_hyperparam("b2", b2, low=0, high=1, high_open=True)
   check_hyperparam("eps", eps, low=0)
   check_hyperparam("eps_root", eps_root, low=0)
-  return (as_spec(first_moment, argname="first_moment", signed=True),
-          as_spec(second_moment, argname="second_moment", signed=False))
+  return tuple(_recipes.resolve(recipe, first_moment, second_moment))
 
 
 def scale_by_adam_4bit(
@@ -248,8 +251,9 @@ def scale_by_adam_4bit(
     mu_dtype: Optional[Any] = None,
     *,
     nesterov: bool = False,
-    first_moment: SpecLike = "B128/DE",
-    second_moment: SpecLike = "Rank-1/Linear",
+    recipe: str = "default",
+    first_moment: Optional[SpecLike] = None,
+    second_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
@@ -270,9 +274,9 @@ def scale_by_adam_4bit(
     eps_root: term added to the second moment inside the square root.
     mu_dtype: dtype of first moments kept unquantized (default float32).
     nesterov: use Nesterov momentum, as in ``optax.scale_by_adam``.
-    second_moment: quantizer of the second moment (unsigned), default
-      ``"Rank-1/Linear"``; a map with a zero code (``"B128/DE"``) shows the
-      paper's zero-point problem.
+    second_moment: quantizer of the second moment (unsigned), overriding the
+      recipe's; a map with a zero code (``"B128/DE"``) shows the paper's
+      zero-point problem.
     {quant_args}
 
   Returns:
@@ -288,7 +292,8 @@ def scale_by_adam_4bit(
     >>> round(float(updates["w"][0, 0]), 6)
     -0.001
   """
-  m_spec, v_spec = _check_adam_args(b1, b2, eps, eps_root, first_moment, second_moment)
+  m_spec, v_spec = _check_adam_args(b1, b2, eps, eps_root, recipe, first_moment,
+                                    second_moment)
   min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
   chunk = _chunk_size(chunk_size)
   implementation = _pallas.check_implementation(implementation)
@@ -314,7 +319,7 @@ def scale_by_adam_4bit(
     fused = _pallas.fused_steps(implementation)
 
     def leaf_fn(g, m, v, k):
-      out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, nesterov)
+      out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, nesterov, k)
       if out:
         return out
       return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk)
@@ -391,8 +396,9 @@ def scale_by_factored_adam_4bit(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
-    first_moment: SpecLike = "B128/DE",
-    second_moment: SpecLike = "Rank-1/Linear",
+    recipe: str = "default",
+    first_moment: Optional[SpecLike] = None,
+    second_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
@@ -414,7 +420,8 @@ def scale_by_factored_adam_4bit(
     b2: decay rate of the second moment (and of its factors).
     eps: term added to the denominator outside the square root.
     eps_root: term added to the second moment inside the square root.
-    second_moment: quantizer of the second moment of 1-D leaves.
+    second_moment: quantizer of the second moment of 1-D leaves, overriding
+      the recipe's.
     {quant_args}
 
   Returns:
@@ -427,7 +434,8 @@ def scale_by_factored_adam_4bit(
     >>> state.nu["w"].row.shape, state.nu["w"].col.shape
     ((64, 1), (1, 32))
   """
-  m_spec, v_spec = _check_adam_args(b1, b2, eps, eps_root, first_moment, second_moment)
+  m_spec, v_spec = _check_adam_args(b1, b2, eps, eps_root, recipe, first_moment,
+                                    second_moment)
   min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
   chunk = _chunk_size(chunk_size)
   implementation = _pallas.check_implementation(implementation)
@@ -463,11 +471,11 @@ def scale_by_factored_adam_4bit(
 
     def leaf_fn(g, m, v, k):
       if not isinstance(v, FactoredMoment):
-        out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, False)
+        out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, False, k)
         return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk)
       g, v = _factored_second_moment(g, v, b2, chunk)
       side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
-      out = fused and fused.factored(g, m, side, b1, b2, eps, eps_root, count_inc)
+      out = fused and fused.factored(g, m, side, b1, b2, eps, eps_root, count_inc, k[:1])
       update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
                                                   chunk_size=chunk)
       return update, (m, v)
@@ -504,7 +512,8 @@ def scale_by_momentum_4bit(
     momentum: float = 0.9,
     nesterov: bool = False,
     *,
-    first_moment: SpecLike = "B128/DE",
+    recipe: str = "default",
+    first_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
@@ -533,7 +542,7 @@ def scale_by_momentum_4bit(
     1.0
   """
   check_hyperparam("momentum", momentum, low=0, high=1, high_open=True)
-  spec = as_spec(first_moment, argname="first_moment", signed=True)
+  spec = _recipes.resolve(recipe, first_moment).first_moment
   min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
   chunk = _chunk_size(chunk_size)
   implementation = _pallas.check_implementation(implementation)
@@ -556,7 +565,7 @@ def scale_by_momentum_4bit(
     fused = _pallas.fused_steps(implementation)
 
     def leaf_fn(g, t, k):
-      out = fused and fused.momentum(g, t, momentum, nesterov)
+      out = fused and fused.momentum(g, t, momentum, nesterov, k)
       return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk)
 
     results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys)

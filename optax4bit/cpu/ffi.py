@@ -168,7 +168,7 @@ class CpuSteps:
   backend: Adam only; every method returns ``(update, new_moments)`` or None
   where the kernel does not cover the leaf (the caller runs the jnp path)."""
 
-  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool):
+  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None):
     moments = tuple(moments)
     if not covers(grad, moments):
       return None
@@ -180,7 +180,7 @@ class CpuSteps:
 
     return _sharding.run_fused(
         local, grad, moments, (), (coef,),
-        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments))
+        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments), keys)
 
   def factored(self, *args, **kwargs):
     del args, kwargs

@@ -163,23 +163,25 @@ class FusedSteps:
   the leaf (the caller then runs the jnp reference)."""
   options: _engine.Options
 
-  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool):
+  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None):
     coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    return self.run("adam_nesterov" if nesterov else "adam", coef, grad, moments)
+    return self.run("adam_nesterov" if nesterov else "adam", coef, grad, moments, keys=keys)
 
-  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc):
+  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None):
     """``side``: ``(row, col, row_mean)`` of the (already updated) factored
     second moment, as `optax4bit.transform` computes them."""
     coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    return self.run("factored", coef, grad, (moment,), side)
+    return self.run("factored", coef, grad, (moment,), side, keys=keys)
 
-  def momentum(self, grad, trace, momentum, nesterov: bool):
+  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None):
     coef = momentum_coefficients(momentum)
-    return self.run("momentum_nesterov" if nesterov else "momentum", coef, grad, (trace,))
+    return self.run("momentum_nesterov" if nesterov else "momentum", coef, grad, (trace,),
+                    keys=keys)
 
   def run(self, kind: str, coef: jax.Array, grad: jax.Array, moments: Sequence,
-          side: Sequence[jax.Array] = ()):
-    """The step ``kind`` (a key of `optax4bit.pallas.optim.STEPS`) on one leaf."""
+          side: Sequence[jax.Array] = (), keys: Optional[Sequence] = None):
+    """The step ``kind`` (a key of `optax4bit.pallas.optim.STEPS`) on one leaf;
+    ``keys``: one PRNG key (or None) per moment, for stochastic rounding."""
     moments = tuple(moments)
     if not moments or not all(isinstance(m, QuantizedArray) for m in moments):
       return None
@@ -188,7 +190,7 @@ class FusedSteps:
       return None
     return _sharding.run_fused(
         lambda *args: self._local(kind, *args), grad, moments, tuple(side), (coef,),
-        lambda local_shape: _covers(local_shape, moments, self.options))
+        lambda local_shape: _covers(local_shape, moments, self.options), keys)
 
   def _local(self, kind, grad, moments, side, keys, reduce_scales, consts):
     del keys

@@ -139,7 +139,7 @@ def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None) -
   layout = normalize.layout_for(spec, x.shape)
   x32 = x.astype(jnp.float32)
   scales = normalize.compute_scales(normalize.finite_abs(x32), layout)
-  uniform = jax.random.uniform(key, x.shape) if spec.stochastic else None
+  uniform = maps.hashed_uniform(maps.rounding_seed(key), x.shape) if spec.stochastic else None
   codes = encode(x32, scales, spec, layout, uniform)
   return QuantizedArray(codes, scales, spec, tuple(x.shape), np.dtype(x.dtype))
 

@@ -1,21 +1,33 @@
 """Quantization tables and nearest-entry encoding (jnp reference).
 
-Encoding is a binary search over the midpoints between neighbouring table
-entries: ``bits`` compares per element. For 4 bits each compare's threshold is
-picked by a small tree of selects (no gather, which XLA's CPU backend does not
-vectorize); 8-bit tables use a gather. ``Linear`` tables have closed forms.
+Encoding is a binary search over the decision thresholds between neighbouring
+table entries: ``bits`` compares per element. For 4 bits each compare's
+threshold is picked by a small tree of selects (no gather, which XLA's CPU
+backend does not vectorize); 8-bit tables use a gather. ``Linear`` tables have
+closed forms.
+
+Thresholds are the midpoints between entries, except for ``SqrtDE-0``, which
+rounds ``sqrt(x)`` to the nearest ``DE-0`` entry: its entries are the squares
+of ``DE-0``'s and its thresholds the squares of ``DE-0``'s midpoints.
+
+Stochastic rounding draws its uniforms from a counter-based hash of the
+element's index (`hashed_uniform`), so that every backend (jnp, the C++ CPU
+kernel, the Pallas kernels) draws the same numbers for the same element, and
+the result does not depend on how a leaf is chunked.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax4bit.quant.spec import MAPPINGS, SUPPORTED_BITS, UNSIGNED_ONLY_MAPPINGS
+from optax4bit.quant.spec import (FOUR_BIT_ONLY_MAPPINGS, MAPPINGS, SIGNED_ONLY_MAPPINGS,
+                                  SUPPORTED_BITS, UNSIGNED_ONLY_MAPPINGS)
 
 __all__ = ["qmap"]
 
@@ -38,12 +50,36 @@ def _dynamic_exponent_map(bits: int, signed: bool) -> np.ndarray:
   return table
 
 
+def _normal_float_map() -> np.ndarray:
+  """The 4-bit normal-float map (NF4 of Dettmers et al., QLoRA, 2023): 8
+  quantiles of N(0, 1) for the positive half and 7 for the negative half,
+  evenly spaced in probability from 0.5 to ``1 - (1/32 + 1/30) / 2``
+  (excluded at 0.5), plus 0, scaled so that the largest is 1."""
+  normal = statistics.NormalDist()
+  offset = 0.5 * (1 - 1 / 32 + 1 - 1 / 30)
+  positive = [normal.inv_cdf(p) for p in np.linspace(offset, 0.5, 9)[:-1]]
+  negative = [-normal.inv_cdf(p) for p in np.linspace(offset, 0.5, 8)[:-1]]
+  values = np.sort(np.asarray(positive + negative + [0.0], dtype=np.float64))
+  return values / values.max()
+
+
+def _de_zero_free() -> np.ndarray:
+  """4-bit unsigned DE with its zero replaced by the smallest non-zero entry."""
+  table = _dynamic_exponent_map(4, False)
+  table[0] = table[1]
+  return table.astype(np.float64)
+
+
 @functools.lru_cache(maxsize=None)
 def _table(mapping: str, bits: int, signed: bool) -> np.ndarray:
   if mapping == "Linear":
     table = (np.arange(2**bits, dtype=np.float64) + 1) / 2**bits
   elif mapping == "DE":
     table = _dynamic_exponent_map(bits, signed)
+  elif mapping == "NF":
+    table = _normal_float_map()
+  elif mapping == "SqrtDE-0":
+    table = _de_zero_free() ** 2
   else:  # DE-0: zero replaced by the smallest non-zero entry.
     table = _dynamic_exponent_map(bits, False)
     table[0] = table[1]
@@ -56,10 +92,12 @@ def qmap(mapping: str, bits: int = 4, signed: Optional[bool] = None) -> np.ndarr
   """Returns the sorted quantization table of a mapping.
 
   Args:
-    mapping: ``"DE"``, ``"DE-0"`` or ``"Linear"``.
-    bits: 4 or 8; the table has ``2**bits`` float32 entries.
+    mapping: ``"DE"``, ``"DE-0"``, ``"Linear"``, ``"NF"`` or ``"SqrtDE-0"``.
+    bits: 4 or 8 (``NF`` and ``SqrtDE-0``: 4); the table has ``2**bits``
+      float32 entries.
     signed: ``DE`` only: whether the table covers [-1, 1] (default) or [0, 1].
-      ``DE-0`` and ``Linear`` exclude zero and exist only unsigned.
+      ``DE-0``, ``Linear`` and ``SqrtDE-0`` exclude zero and exist only
+      unsigned; ``NF`` exists only signed.
 
   Returns:
     A read-only float32 numpy array, sorted ascending.
@@ -79,21 +117,31 @@ def qmap(mapping: str, bits: int = 4, signed: Optional[bool] = None) -> np.ndarr
     signed = mapping not in UNSIGNED_ONLY_MAPPINGS
   if signed and mapping in UNSIGNED_ONLY_MAPPINGS:
     raise ValueError(f"mapping {mapping!r} excludes zero and has no signed table.")
+  if not signed and mapping in SIGNED_ONLY_MAPPINGS:
+    raise ValueError(f"mapping {mapping!r} has no unsigned table.")
+  if bits != 4 and mapping in FOUR_BIT_ONLY_MAPPINGS:
+    raise ValueError(f"mapping {mapping!r} exists for 4 bits only, got bits={bits}.")
   return _table(mapping, bits, bool(signed))
 
 
 @functools.lru_cache(maxsize=None)
 def midpoint_thresholds(mapping: str, bits: int, signed: bool) -> np.ndarray:
   """``2**bits - 1`` float32 thresholds ``t`` with ``x > t[k]`` exactly when
-  ``x`` is strictly nearer to entry ``k + 1`` than to entry ``k``.
+  ``x`` is strictly nearer to entry ``k + 1`` than to entry ``k`` (for
+  ``SqrtDE-0``: ``sqrt(x)`` nearer to the square roots of the entries).
 
   The real midpoint of two float32 numbers is exact in float64; when it is not
   a float32 number we take the float32 just below it, so that a float32 ``x``
   compares against the threshold as it would against the exact midpoint (a
-  tie, ``x`` equal to the exact midpoint, goes to the lower index).
+  tie, ``x`` equal to the exact midpoint, goes to the lower index). The
+  squared ``DE-0`` midpoints are taken in float64 the same way.
   """
-  table = _table(mapping, bits, signed).astype(np.float64)
-  exact = (table[:-1] + table[1:]) / 2
+  if mapping == "SqrtDE-0":
+    roots = _de_zero_free().astype(np.float32).astype(np.float64)
+    exact = ((roots[:-1] + roots[1:]) / 2) ** 2
+  else:
+    table = _table(mapping, bits, signed).astype(np.float64)
+    exact = (table[:-1] + table[1:]) / 2
   rounded = exact.astype(np.float32)
   too_high = rounded.astype(np.float64) > exact
   rounded[too_high] = np.nextafter(rounded[too_high], np.float32(-np.inf))
@@ -176,3 +224,41 @@ def decode(codes: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array
     decided = [(codes & (1 << (bits - 1 - level))) != 0 for level in range(bits)]
     return _select_by_bits(decided, list(table))
   return jnp.asarray(table)[codes.astype(jnp.int32)]
+
+
+# Stochastic rounding's random numbers: a counter-based hash of the element
+# index, cheap in every backend (two integer multiplies), unlike a PRNG stream.
+_MIX_MULTIPLIERS = (np.uint32(0x21F0AAAD), np.uint32(0x735A2D97))
+
+
+def mix32(x: jax.Array) -> jax.Array:
+  """A bijective avalanche mix of uint32 values (C. Wellons' ``lowbias32``
+  triple with the constants of his hash-prospector search)."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * _MIX_MULTIPLIERS[0]
+  x = x ^ (x >> np.uint32(15))
+  x = x * _MIX_MULTIPLIERS[1]
+  return x ^ (x >> np.uint32(15))
+
+
+def rounding_seed(key: jax.Array) -> jax.Array:
+  """The uint32 seed of `hashed_uniform` for a JAX PRNG key (typed or raw)."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  words = key.reshape(-1).astype(jnp.uint32)
+  seed = mix32(words[0])
+  for word in words[1:]:
+    seed = mix32(seed ^ word)
+  return seed
+
+
+def hashed_uniform(seed: jax.Array, shape: tuple, first_row=0) -> jax.Array:
+  """U[0, 1) float32 draws for the elements of rows ``first_row, ...`` of a
+  tensor whose rows (axis 0) have ``shape[1:]``: element ``e`` (flat index
+  in the whole tensor, modulo 2**32) draws ``(mix32(e ^ seed) >> 8) / 2**24``.
+  """
+  row_size = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+  local = jax.lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+  start = jnp.asarray(first_row).astype(jnp.uint32) * np.uint32(row_size % 2**32)
+  bits = mix32((local + start) ^ seed)
+  return (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)

@@ -7,17 +7,21 @@ import re
 from typing import Literal, Optional, Union
 
 Normalization = Literal["tensor", "block", "rank1"]
-Mapping = Literal["DE", "DE-0", "Linear"]
+Mapping = Literal["DE", "DE-0", "Linear", "NF", "SqrtDE-0"]
 
-MAPPINGS = ("DE", "DE-0", "Linear")
+MAPPINGS = ("DE", "DE-0", "Linear", "NF", "SqrtDE-0")
 NORMALIZATIONS = ("tensor", "block", "rank1")
 SUPPORTED_BITS = (4, 8)
 # Maps that exclude zero exist for the non-negative second moment only.
-UNSIGNED_ONLY_MAPPINGS = ("DE-0", "Linear")
+UNSIGNED_ONLY_MAPPINGS = ("DE-0", "Linear", "SqrtDE-0")
+# The normal-float map is built for signed, roughly Gaussian blocks (first moments).
+SIGNED_ONLY_MAPPINGS = ("NF",)
+# Maps defined for 4 bits only.
+FOUR_BIT_ONLY_MAPPINGS = ("NF", "SqrtDE-0")
 # 1-D tensors have no rank-1 structure; the paper falls back to B128 for them.
 RANK1_FALLBACK_BLOCK = 128
 
-_NAME_RE = re.compile(r"^(?P<norm>Tensor|Rank-1|B(?P<block>\d+))/(?P<map>DE-0|DE|Linear)$")
+_NAME_RE = re.compile(r"^(?P<norm>Tensor|Rank-1|B(?P<block>\d+))/(?P<map>DE-0|DE|Linear|NF|SqrtDE-0)$")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -36,7 +40,10 @@ class QuantSpec:
       ``block_size`` consecutive elements of the last axis) or ``"rank1"``
       (one max vector per axis; 1-D tensors fall back to ``B128``).
     mapping: ``"DE"`` (dynamic exponent), ``"DE-0"`` (unsigned DE without
-      zero) or ``"Linear"`` (unsigned ``(i + 1) / 2**bits``, no zero).
+      zero), ``"Linear"`` (unsigned ``(i + 1) / 2**bits``, no zero), ``"NF"``
+      (signed 4-bit normal float: quantiles of a normal distribution) or
+      ``"SqrtDE-0"`` (unsigned, 4 bits: ``sqrt(x)`` coded with ``DE-0``, so
+      entries are the squares of ``DE-0``'s, down to about 1e-5 of the scale).
     bits: 4 or 8.
     signed: whether the table covers [-1, 1] (first moments) or [0, 1].
     block_size: block length for ``"block"``; ignored otherwise.
@@ -74,6 +81,12 @@ class QuantSpec:
           f"mapping {self.mapping!r} excludes zero and exists only unsigned "
           "(for non-negative tensors such as Adam's second moment); "
           "use signed=False or mapping='DE' for signed tensors.")
+    if not self.signed and self.mapping in SIGNED_ONLY_MAPPINGS:
+      raise ValueError(
+          f"mapping {self.mapping!r} exists only signed (for first moments); use "
+          "signed=True, or mapping='DE-0' or 'SqrtDE-0' for non-negative tensors.")
+    if self.bits != 4 and self.mapping in FOUR_BIT_ONLY_MAPPINGS:
+      raise ValueError(f"mapping {self.mapping!r} exists for 4 bits only, got bits={self.bits}.")
     if self.normalization == "block":
       if (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
           or not _is_power_of_two(self.block_size)):
@@ -100,10 +113,11 @@ class QuantSpec:
 
     Args:
       name: ``NORM/MAP`` with NORM one of ``Tensor``, ``Rank-1``, ``B<k>``
-        (k a power of two) and MAP one of ``DE``, ``DE-0``, ``Linear``.
+        (k a power of two) and MAP one of ``DE``, ``DE-0``, ``Linear``, ``NF``,
+        ``SqrtDE-0``.
       bits: 4 or 8.
-      signed: defaults to ``True`` for ``DE`` and ``False`` for the zero-free
-        maps ``DE-0`` and ``Linear``.
+      signed: defaults to ``True`` for ``DE`` and ``NF`` and ``False`` for the
+        zero-free maps ``DE-0``, ``Linear`` and ``SqrtDE-0``.
       stochastic: stochastic rounding.
 
     Returns:
@@ -118,7 +132,8 @@ class QuantSpec:
     if match is None:
       raise ValueError(
           f"unknown quantizer name {name!r}: expected 'NORM/MAP' with NORM in "
-          "'Tensor', 'Rank-1', 'B<block size>' and MAP in 'DE', 'DE-0', 'Linear' "
+          "'Tensor', 'Rank-1', 'B<block size>' and MAP in 'DE', 'DE-0', 'Linear', 'NF', "
+          "'SqrtDE-0' "
           "(e.g. 'B128/DE', 'Rank-1/Linear').")
     mapping = match["map"]
     if signed is None:

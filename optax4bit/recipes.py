@@ -1,0 +1,78 @@
+"""Named quantizer recipes: which quantizer stores each optimizer moment.
+
+``"default"`` is this library's recipe; ``"paper"`` is the one of Li, Chen and
+Zhu (NeurIPS 2023). Both use 4 bits and the same memory: 0.5 byte of codes per
+element and moment, one float32 scale per 128 elements of the first moment,
+and rank-1 scales (one float32 per row and per column) for the second moment.
+
+* ``"paper"``: first moment ``B128/DE``, second moment ``Rank-1/Linear``,
+  both rounded to the nearest entry.
+* ``"default"``: first moment ``B128/NF`` (the 4-bit normal-float map) with
+  stochastic rounding; second moment ``Rank-1/SqrtDE-0`` (``sqrt(v)`` coded
+  with the zero-free DE map), nearest rounding.
+
+Why the default differs (benchmarks/RESULTS.md, "Training quality"): where
+the moments of a tensor span a wide range inside its rows and columns, the
+paper's recipe loses in two ways. ``Rank-1/Linear`` decodes every second
+moment below 1/16 of its scale to 1/16 of it, so those elements take steps
+up to several times too small; ``SqrtDE-0`` reaches down to about 1e-5 of the
+scale. A first moment rounded to the nearest entry stops moving when the
+EMA's change per step is below half the gap between entries (the step is
+rounded away); stochastic rounding keeps its expectation exact, and the
+normal-float map spends its entries where a block's values are.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from optax4bit.quant.spec import QuantSpec, SpecLike, as_spec
+
+__all__ = ["Recipe", "RECIPES", "resolve"]
+
+
+class Recipe(NamedTuple):
+  """The quantizers of an optimizer's first and second moments."""
+  first_moment: QuantSpec
+  second_moment: QuantSpec
+
+
+RECIPES = {
+    "default": Recipe(
+        first_moment=QuantSpec("block", "NF", 4, signed=True, block_size=128, stochastic=True),
+        second_moment=QuantSpec("rank1", "SqrtDE-0", 4, signed=False)),
+    "paper": Recipe(
+        first_moment=QuantSpec.parse("B128/DE"),
+        second_moment=QuantSpec.parse("Rank-1/Linear")),
+}
+
+
+def resolve(recipe: str, first_moment: Optional[SpecLike] = None,
+            second_moment: Optional[SpecLike] = None) -> Recipe:
+  """The quantizers of ``recipe``, each replaced by an explicit argument.
+
+  Args:
+    recipe: a key of `RECIPES` (``"default"`` or ``"paper"``).
+    first_moment: if given, a signed quantizer name or `QuantSpec` that
+      overrides the recipe's.
+    second_moment: if given, an unsigned quantizer that overrides the
+      recipe's.
+
+  Returns:
+    A `Recipe` of validated specs.
+
+  Example:
+    >>> import optax4bit
+    >>> optax4bit.recipes.resolve("paper").second_moment.name
+    'Rank-1/Linear'
+    >>> optax4bit.recipes.resolve("default", first_moment="B128/DE").first_moment.name
+    'B128/DE'
+  """
+  if not isinstance(recipe, str) or recipe not in RECIPES:
+    raise ValueError(f"recipe must be one of {tuple(RECIPES)}, got {recipe!r}.")
+  chosen = RECIPES[recipe]
+  return Recipe(
+      chosen.first_moment if first_moment is None else
+      as_spec(first_moment, argname="first_moment", signed=True),
+      chosen.second_moment if second_moment is None else
+      as_spec(second_moment, argname="second_moment", signed=False))
