@@ -49,9 +49,16 @@ def decode_moment(moment) -> jax.Array:
 
 
 def _uniform(key, shape, first_row=0):
-  """Stochastic rounding's draws for rows ``first_row, ...`` of a leaf: the
-  same for an element whatever the chunking (see `maps.hashed_uniform`)."""
-  return maps.hashed_uniform(maps.rounding_seed(key), shape, first_row)
+  """Stochastic rounding's draws for rows ``first_row, ...`` of a leaf (of
+  this shard's block of it, under `optax4bit.sharding.per_shard`): the same
+  for an element of the global leaf whatever the chunking and sharding (see
+  `maps.hashed_uniform`)."""
+  origin, full_shape = (0,) * len(shape), None
+  shard = _sharding.shard_origin()
+  if shard is not None:
+    full_shape, origin = shard
+  origin = (origin[0] + first_row,) + tuple(origin[1:]) if shape else ()
+  return maps.hashed_uniform(maps.rounding_seed(key), shape, origin, full_shape)
 
 
 def encode_moment(value: jax.Array, like, key=None, reduce_scales=None):

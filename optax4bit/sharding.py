@@ -37,9 +37,9 @@ local rows): block-wise scales are local, rank-1 and tensor scales are
 reduced with ``lax.pmax`` over the mesh axes of the other dimensions, so that
 they are the maxima of the global tensor. Nothing state-sized crosses devices:
 only the rank-1/tensor statistics (one float per row or column) are
-all-reduced. Results equal the single-device run bit for bit (with
-deterministic rounding; stochastic rounding draws per-shard random numbers, so
-it is reproducible but not identical to the unsharded run).
+all-reduced. Results equal the single-device run bit for bit, stochastic
+rounding included: its random numbers hash the element's index in the global
+tensor (`shard_origin` tells a shard where its block starts).
 
 Alignment. A parameter can be split like its state only if no quantization
 block straddles two shards: every sharded axis must divide evenly, and if the
@@ -54,6 +54,7 @@ blocks across devices silently.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 from typing import Any, Callable, Optional
@@ -267,6 +268,16 @@ def hoist_partial(fn: Callable):
   return rebuild, consts
 
 
+_SHARD_ORIGIN = contextvars.ContextVar("optax4bit_shard_origin", default=None)
+
+
+def shard_origin() -> Optional[tuple]:
+  """``(global_shape, origin)`` while `per_shard` traces a shard's update:
+  the global leaf's shape and the global index, per axis, of the shard's
+  first element (traced ints); None outside."""
+  return _SHARD_ORIGIN.get()
+
+
 def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts: tuple,
               covers_shard: Callable[[tuple], bool], keys: Optional[tuple] = None):
   """Runs a fused kernel's ``local_update`` (see `per_shard`) on one leaf:
@@ -278,6 +289,8 @@ def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts:
   sharding = leaf_sharding(grad)
   if sharding is None:
     return local_update(grad, moments, side, keys, None, consts)
+  if any(k is not None for k in keys):
+    return None  # the kernels hash local element indices; the jnp path global ones
   try:
     local_shape = tuple(sharding.shard_shape(tuple(grad.shape)))
   except ValueError:
@@ -334,11 +347,14 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
                  for m in local_moments)
 
   def body(g, raw_moments, side_local, keys_local, consts_local):
-    if used:
-      index = jax.lax.axis_index(used)
-      keys_local = tuple(None if k is None else jax.random.fold_in(k, index) for k in keys_local)
-    update, new = local_update(g, moments_of(raw_moments, local_shape), side_local, keys_local,
-                               functools.partial(_global_max, dim_axes), consts_local)
+    origin = tuple(jax.lax.axis_index(axes) * n if axes else 0
+                   for axes, n in zip(dim_axes, local_shape))
+    token = _SHARD_ORIGIN.set((shape, origin))
+    try:
+      update, new = local_update(g, moments_of(raw_moments, local_shape), side_local, keys_local,
+                                 functools.partial(_global_max, dim_axes), consts_local)
+    finally:
+      _SHARD_ORIGIN.reset(token)
     return update, to_raw(new)
 
   def matched(x, s):

@@ -252,13 +252,24 @@ def rounding_seed(key: jax.Array) -> jax.Array:
   return seed
 
 
-def hashed_uniform(seed: jax.Array, shape: tuple, first_row=0) -> jax.Array:
-  """U[0, 1) float32 draws for the elements of rows ``first_row, ...`` of a
-  tensor whose rows (axis 0) have ``shape[1:]``: element ``e`` (flat index
-  in the whole tensor, modulo 2**32) draws ``(mix32(e ^ seed) >> 8) / 2**24``.
+def hashed_uniform(seed: jax.Array, shape: tuple, origin: tuple = (),
+                   full_shape: Optional[tuple] = None) -> jax.Array:
+  """U[0, 1) float32 draws for a block of shape ``shape`` of a tensor of
+  shape ``full_shape`` (default ``shape``) whose first element has index
+  ``origin`` (per axis, ints or traced; missing axes 0).
+
+  Element ``e`` (row-major flat index in the whole tensor, modulo 2**32)
+  draws ``(mix32(e ^ seed) >> 8) / 2**24``: the same number whatever block
+  or shard computes it.
   """
-  row_size = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-  local = jax.lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
-  start = jnp.asarray(first_row).astype(jnp.uint32) * np.uint32(row_size % 2**32)
-  bits = mix32((local + start) ^ seed)
+  full_shape = tuple(shape) if full_shape is None else tuple(full_shape)
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    position = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    if axis < len(origin):
+      position = position + jnp.asarray(origin[axis]).astype(jnp.uint32)
+    index = index + position * np.uint32(stride % 2**32)
+    stride *= full_shape[axis]
+  bits = mix32(index ^ seed)
   return (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
