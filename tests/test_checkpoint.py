@@ -45,7 +45,8 @@ def test_describe_names_quantizers():
   mu = leaves["['opt_state'][0].mu['w']"]
   assert mu["kind"] == "quantized" and mu["shape"] == [256, 256]
   assert mu["spec"]["normalization"] == "block" and mu["spec"]["block_size"] == 128
-  assert leaves["['opt_state'][0].nu['w']"]["spec"]["mapping"] == "Linear"
+  assert mu["spec"]["mapping"] == "NF" and mu["spec"]["stochastic"]
+  assert leaves["['opt_state'][0].nu['w']"]["spec"]["mapping"] == "SqrtDE-0"
   assert leaves["['opt_state'][0].mu['b']"] == {"kind": "array", "shape": [8],
                                                "dtype": "float32"}
 
@@ -117,7 +118,7 @@ def test_resume_on_other_mesh_only_changes_float_sums(roundtrip):
 def test_restore_with_other_optimizer_fails_clearly(roundtrip):
   mismatch = roundtrip["mismatch"]
   assert "Rank-1/DE-0" in mismatch["second_moment_DE-0"]
-  assert "Rank-1/Linear" in mismatch["second_moment_DE-0"]
+  assert "Rank-1/SqrtDE-0" in mismatch["second_moment_DE-0"]
   assert "target expects array" in mismatch["min_quantize_size"]
   assert "state structures differ" in mismatch["sgdm_4bit"]
 

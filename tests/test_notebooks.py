@@ -70,7 +70,7 @@ def test_quickstart_runs(monkeypatch):
   nb = _execute("quickstart.ipynb", monkeypatch)
   text = _text(nb)
   assert "optax4bit.adamw_4bit" in text and "bytes/param" in text
-  assert "QuantizedArray(B128/DE" in text
+  assert "QuantizedArray(B128/NF" in text
 
 
 @pytest.mark.slow

@@ -133,8 +133,9 @@ def test_optax4bit_inject_hyperparams(injected_reference):
   assert jax.tree.structure(state.inner_state) == jax.tree.structure(ref_state)
   assert is_quantized(state.inner_state[0].mu["w"])
   assert_mostly_close(ref_updates, updates)
-  # The injected learning rate really changed the step size.
-  assert float(jnp.max(jnp.abs(updates[3]["w"]))) < 2e-3
+  # The injected learning rate (1e-2 -> 1e-3) really changed the step size;
+  # with b1 0.5 and b2 0.9 a quantized Adam step can reach a few times lr.
+  assert float(jnp.max(jnp.abs(updates[3]["w"]))) < 5e-3
 
 
 def test_optax_inject_hyperparams_with_static_args(injected_reference):

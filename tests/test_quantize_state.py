@@ -89,7 +89,7 @@ def test_unquantized_equals_inner_optimizer():
 def test_adam_matches_adam_4bit():
   params = random_params()
   a = run(optax4bit.quantize_state(optax.adam(1e-2), min_quantize_size=0), params, 4)
-  b = run(optax4bit.adam_4bit(1e-2, min_quantize_size=0), params, 4)
+  b = run(optax4bit.adam_4bit(1e-2, recipe="paper", min_quantize_size=0), params, 4)
   qa, qb = quantized_leaves(a[1]), quantized_leaves(b[1])
   assert len(qa) == len(qb) == 6
   codes = sum(int(np.sum(np.asarray(x.codes) != np.asarray(y.codes))) for x, y in zip(qa, qb))
@@ -106,7 +106,7 @@ def test_adam_matches_adam_4bit():
 def test_sgd_momentum_matches_sgdm_4bit():
   params = random_params(1)
   a = run(optax4bit.quantize_state(optax.sgd(0.1, momentum=0.9), min_quantize_size=0), params, 3)
-  b = run(optax4bit.sgdm_4bit(0.1, momentum=0.9, min_quantize_size=0), params, 3)
+  b = run(optax4bit.sgdm_4bit(0.1, momentum=0.9, recipe="paper", min_quantize_size=0), params, 3)
   for x, y in zip(quantized_leaves(a[1]), quantized_leaves(b[1])):
     mismatched = int(np.sum(np.asarray(x.codes) != np.asarray(y.codes)))
     assert mismatched <= 2
