@@ -79,7 +79,7 @@ def _table(mapping: str, bits: int, signed: bool) -> np.ndarray:
   elif mapping == "NF":
     table = _normal_float_map()
   elif mapping == "SqrtDE-0":
-    table = _de_zero_free() ** 2
+    table = _de_zero_free().astype(np.float32).astype(np.float64) ** 2
   else:  # DE-0: zero replaced by the smallest non-zero entry.
     table = _dynamic_exponent_map(bits, False)
     table[0] = table[1]

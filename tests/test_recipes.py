@@ -1,0 +1,276 @@
+"""Recipes: the default's quantizers (NF, SqrtDE-0, hashed stochastic rounding)
+against independent references, the paper's and torchao's recipes bit for bit
+as before the default changed, and the quality targets of the default."""
+
+import fractions
+import json
+import os
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax4bit
+from optax4bit import QuantSpec, qmap, recipes
+from optax4bit.quant import maps
+from conftest import SPEC_DE0_4BIT, argmin_codes, unpack_nibbles
+import paper_recipe_golden
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# NF4 as printed in QLoRA (Dettmers et al., 2023, appendix E) and bitsandbytes.
+QLORA_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+             -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+             0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+             0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+             0.7229568362236023, 1.0)
+
+
+# --- Tables. ------------------------------------------------------------------
+
+
+def test_nf_table_is_qlora_nf4():
+  table = qmap("NF")
+  assert table.dtype == np.float32 and table.shape == (16,)
+  np.testing.assert_allclose(table, QLORA_NF4, rtol=0, atol=1e-6)
+  assert table[0] == -1.0 and table[7] == 0.0 and table[-1] == 1.0
+  assert np.all(np.diff(table) > 0)
+
+
+def test_sqrt_de0_table_is_squared_spec_de0():
+  roots = np.asarray(SPEC_DE0_4BIT, np.float32).astype(np.float64)
+  expected = (roots**2).astype(np.float32)
+  np.testing.assert_array_equal(qmap("SqrtDE-0"), expected)
+  assert np.all(qmap("SqrtDE-0") > 0), "zero-free"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mapping="NF", signed=False), "no unsigned table"),
+    (dict(mapping="SqrtDE-0", signed=True), "no signed table"),
+    (dict(mapping="NF", bits=8), "4 bits only"),
+    (dict(mapping="SqrtDE-0", bits=8), "4 bits only"),
+])
+def test_new_map_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    qmap(**kwargs)
+
+
+def test_parse_new_maps():
+  nf = QuantSpec.parse("B128/NF")
+  assert (nf.mapping, nf.signed, nf.block_size) == ("NF", True, 128)
+  sq = QuantSpec.parse("Rank-1/SqrtDE-0")
+  assert (sq.mapping, sq.signed, sq.normalization) == ("SqrtDE-0", False, "rank1")
+  with pytest.raises(ValueError, match="exists only signed"):
+    QuantSpec.parse("B128/NF", signed=False)
+  with pytest.raises(ValueError, match="4 bits only"):
+    QuantSpec.parse("B128/NF", bits=8)
+
+
+# --- Nearest rounding. --------------------------------------------------------
+
+
+def _sqrt_de0_reference(values) -> np.ndarray:
+  """Nearest DE-0 entry to sqrt(n), ties to the lower index, in exact rational
+  arithmetic: code = number of DE-0 midpoints m with n > m**2."""
+  roots = [fractions.Fraction(float(np.float32(t))) for t in SPEC_DE0_4BIT]
+  squared_midpoints = [((a + b) / 2) ** 2 for a, b in zip(roots[:-1], roots[1:])]
+  codes = []
+  for v in np.asarray(values, np.float32).ravel():
+    if np.isnan(v):
+      codes.append(0)
+      continue
+    x = fractions.Fraction(float(v)) if np.isfinite(v) else (10**40 if v > 0 else -10**40)
+    codes.append(sum(x > m for m in squared_midpoints))
+  return np.asarray(codes)
+
+
+def _near_squared_midpoints() -> np.ndarray:
+  t = np.asarray(SPEC_DE0_4BIT, np.float32).astype(np.float64)
+  centres = np.concatenate([((t[:-1] + t[1:]) / 2) ** 2, t**2]).astype(np.float32)
+  ints = centres.view(np.int32)[:, None] + np.arange(-3, 4, dtype=np.int32)
+  extra = np.float32([0, -0.0, 1, 1.5, -1, 1e-38, 1e-45, 3.4e38, np.inf, -np.inf])
+  return np.concatenate([ints.view(np.float32).ravel(), extra])
+
+
+def test_sqrt_de0_encodes_nearest_in_the_square_root():
+  values = _near_squared_midpoints()
+  got = np.asarray(jax.jit(lambda n: maps.encode_nearest(n, "SqrtDE-0", 4, False))(values))
+  np.testing.assert_array_equal(got, _sqrt_de0_reference(values))
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(st.lists(st.floats(0, 1.25, width=32), min_size=64, max_size=64))
+def test_sqrt_de0_matches_reference_property(values):
+  got = np.asarray(maps.encode_nearest(jnp.float32(values), "SqrtDE-0", 4, False))
+  np.testing.assert_array_equal(got, _sqrt_de0_reference(values))
+
+
+def test_nf_encodes_nearest_entry():
+  rng = np.random.default_rng(0)
+  values = np.concatenate([rng.uniform(-1.2, 1.2, 4096),
+                           np.float32(QLORA_NF4)]).astype(np.float32)
+  got = np.asarray(maps.encode_nearest(jnp.asarray(values), "NF", 4, True))
+  np.testing.assert_array_equal(got, argmin_codes(values, qmap("NF")))
+
+
+# --- Hashed stochastic rounding. ----------------------------------------------
+
+
+def test_hashed_uniform_is_uniform_and_keyed():
+  seed = maps.rounding_seed(jax.random.key(0))
+  u = np.asarray(maps.hashed_uniform(seed, (1 << 20,)), np.float64)
+  assert u.min() >= 0 and u.max() < 1
+  # Mean and variance of U[0, 1) within 5 standard errors over 2**20 draws.
+  assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / u.size)
+  assert abs(u.var() - 1 / 12) < 5 * np.sqrt(1 / 180 / u.size)
+  hist = np.histogram(u, bins=64, range=(0, 1))[0]
+  expected = u.size / 64
+  assert np.all(np.abs(hist - expected) < 6 * np.sqrt(expected))
+  other = np.asarray(maps.hashed_uniform(maps.rounding_seed(jax.random.key(1)), (1 << 20,)))
+  assert abs(np.corrcoef(u, other)[0, 1]) < 0.01
+
+
+def test_hashed_uniform_of_a_block_equals_the_whole_tensor_slice():
+  seed = maps.rounding_seed(jax.random.key(5))
+  whole = np.asarray(maps.hashed_uniform(seed, (6, 10, 12)))
+  block = maps.hashed_uniform(seed, (3, 5, 4), (3, jnp.int32(5), 8), (6, 10, 12))
+  np.testing.assert_array_equal(whole[3:, 5:, 8:], np.asarray(block))
+
+
+@pytest.mark.parametrize("name", ["B128/NF", "B128/DE", "Rank-1/SqrtDE-0"])
+def test_hashed_stochastic_rounding_is_unbiased(name):
+  spec = QuantSpec.parse(name, stochastic=True)
+  table = qmap(spec.mapping, 4, spec.signed).astype(np.float64)
+  # Rows of one value each, strictly between two entries. Ones pin every scale
+  # to 1: the first element of each block, or row 0 and column 0 (rank-1).
+  targets = np.linspace(table[1], table[-2], 40) * 0.997
+  x = np.tile(targets[:, None], (1, 4096)).astype(np.float32)
+  pinned = np.zeros(x.shape, bool)
+  if spec.normalization == "block":
+    pinned[:, ::spec.block_size] = True
+  else:
+    pinned[0, :] = pinned[:, 0] = True
+  x[pinned] = 1.0
+  q = optax4bit.quantize(jnp.asarray(x), spec, key=jax.random.key(3))
+  decoded = np.asarray(optax4bit.dequantize(q), np.float64)
+  codes = unpack_nibbles(np.asarray(q.codes), 4096)
+  lower = np.searchsorted(table, x.astype(np.float64), side="right") - 1
+  free = ~pinned
+  assert np.all((codes[free] == lower[free]) | (codes[free] == lower[free] + 1)), "neighbours"
+  for i in range(1, len(targets)):
+    row = decoded[i][free[i]]
+    gap = table[lower[i][free[i]][0] + 1] - table[lower[i][free[i]][0]]
+    # Each draw is one of two neighbours: std <= gap / 2 per element.
+    assert abs(row.mean() - x[i, 1]) <= 5 * gap / 2 / np.sqrt(row.size) + 1e-7, i
+
+
+# --- Recipes. -----------------------------------------------------------------
+
+
+def test_recipes_resolve():
+  default, paper = recipes.RECIPES["default"], recipes.RECIPES["paper"]
+  assert default.first_moment == QuantSpec("block", "NF", 4, True, 128, stochastic=True)
+  assert default.second_moment == QuantSpec.parse("Rank-1/SqrtDE-0")
+  assert paper == (QuantSpec.parse("B128/DE"), QuantSpec.parse("Rank-1/Linear"))
+  mixed = recipes.resolve("paper", second_moment="Rank-1/SqrtDE-0")
+  assert mixed == (paper.first_moment, default.second_moment)
+  with pytest.raises(ValueError, match="recipe must be one of"):
+    optax4bit.adamw_4bit(1e-3, recipe="bitsandbytes")
+  with pytest.raises(ValueError, match="second_moment"):
+    optax4bit.adamw_4bit(1e-3, second_moment="B128/NF")
+
+
+def _quantized_specs(state):
+  is_q = lambda x: isinstance(x, optax4bit.QuantizedArray)
+  return {q.spec for q in jax.tree.leaves(state, is_leaf=is_q) if is_q(q)}
+
+
+def test_aliases_take_the_recipe():
+  params = {"w": jnp.zeros((64, 128)), "b": jnp.zeros(5000)}
+  paper, default = recipes.RECIPES["paper"], recipes.RECIPES["default"]
+  assert _quantized_specs(optax4bit.adamw_4bit(1e-3).init(params)) == set(default)
+  assert _quantized_specs(optax4bit.adam_4bit(1e-3, recipe="paper").init(params)) == set(paper)
+  assert _quantized_specs(optax4bit.adamw_4bit_factor(1e-3).init(params)) == set(default)
+  assert _quantized_specs(optax4bit.sgdm_4bit(1e-3).init(params)) == {default.first_moment}
+  assert (_quantized_specs(optax4bit.sgdm_4bit(1e-3, recipe="paper").init(params))
+          == {paper.first_moment})
+
+
+def _golden():
+  with open(os.path.join(HERE, "data", "paper_recipe_golden.json")) as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize("name", sorted(paper_recipe_golden.CONFIGS))
+def test_paper_and_torchao_recipes_unchanged(name):
+  """Bit for bit what commit 3d27fa7's jnp path computed (before the default
+  changed; the C++ kernel is checked against the jnp path in
+  test_cpu_kernel.py)."""
+  golden = {k: v for k, v in _golden().items() if k.startswith(name + "[")}
+  got = paper_recipe_golden.digests(name, "jnp")
+  assert got.keys() == golden.keys()
+  changed = sorted(k for k in golden if got[k] != golden[k])
+  assert not changed, f"arrays differ from the golden run: {changed}"
+
+
+def test_recipe_paper_is_the_paper_quantizers():
+  params = {"w": jax.random.normal(jax.random.key(0), (64, 256))}
+  grads = {"w": jax.random.normal(jax.random.key(1), (64, 256))}
+  a = optax4bit.adamw_4bit(1e-2, recipe="paper", min_quantize_size=0)
+  b = optax4bit.adamw_4bit(1e-2, first_moment="B128/DE", second_moment="Rank-1/Linear",
+                           min_quantize_size=0)
+  ua, sa = a.update(grads, a.init(params), params)
+  ub, sb = b.update(grads, b.init(params), params)
+  for x, y in zip(jax.tree.leaves((ua, sa)), jax.tree.leaves((ub, sb))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# --- Quality targets of issue 14 (one seed; benchmarks/quality.py has more). ---
+
+
+def _train(tx, loss, params, steps):
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for _ in range(steps):
+    params, state = step(params, state)
+  return float(loss(params))
+
+
+def _least_squares():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  target = jax.random.normal(k2, (256, 256))
+  loss = lambda p: jnp.mean((p["w"] @ target - target) ** 2)
+  return loss, {"w": 0.02 * jax.random.normal(k1, (256, 256))}
+
+
+def _teacher_mlp():
+  k = jax.random.split(jax.random.key(0), 5)
+  x = jax.random.normal(k[0], (512, 64))
+  y = jnp.tanh(x @ (jax.random.normal(k[1], (64, 256)) / 8)) @ (
+      jax.random.normal(k[2], (256, 32)) / 16)
+  loss = lambda p: jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"] - y) ** 2)
+  return loss, {"a": jax.random.normal(k[3], (64, 256)) / 8,
+                "b": jax.random.normal(k[4], (256, 32)) / 16}
+
+
+@pytest.mark.parametrize("problem,lr,steps,limit", [
+    (_least_squares, 1e-3, 300, 1.5), (_teacher_mlp, 3e-3, 500, 2.0)],
+    ids=["least_squares", "teacher_mlp"])
+def test_default_recipe_tracks_fp32_adam(problem, lr, steps, limit):
+  loss, params = problem()
+  reference = _train(optax.adam(lr), loss, params, steps)
+  default = _train(optax4bit.adam_4bit(lr, min_quantize_size=0), loss, params, steps)
+  paper = _train(optax4bit.adam_4bit(lr, recipe="paper", min_quantize_size=0), loss, params,
+                 steps)
+  assert default / reference <= limit, (default, reference)
+  assert paper / reference > limit, "the problem no longer separates the recipes"
