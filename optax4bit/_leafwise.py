@@ -41,11 +41,17 @@ DEFAULT_CHUNK_SIZE = 1 << 18
 StepFn = Callable[[jax.Array, tuple, tuple], tuple]
 
 
+def compute_dtype(x):
+  """The dtype a step computes ``x`` in: float32 whatever the float dtype;
+  complex leaves (never quantized) keep their complex dtype, as in optax."""
+  return x.dtype if jnp.iscomplexobj(x) else jnp.float32
+
+
 def decode_moment(moment) -> jax.Array:
   """float32 value of a stored moment (quantized or plain)."""
   if isinstance(moment, QuantizedArray):
     return qarray.decode(moment.codes, moment.scales, moment.spec, moment.layout, moment.shape)
-  return moment.astype(jnp.float32)
+  return moment.astype(compute_dtype(moment))
 
 
 def _uniform(key, shape, first_row=0):
@@ -190,7 +196,7 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
     rows = min(rows, num_rows // halves * (halves // 2))
   elif rows >= num_rows:
     old = tuple(decode_moment(m) for m in moments)
-    update, new = _materialized(step_fn(grad.astype(jnp.float32), old, side))
+    update, new = _materialized(step_fn(grad.astype(compute_dtype(grad)), old, side))
     new_moments = tuple(encode_moment(v, m, k, reduce_scales)
                         for v, m, k in zip(new, moments, keys))
     return update.astype(grad.dtype), new_moments
@@ -264,7 +270,7 @@ def _slice_chunk(plan: _MomentPlan, buffers, start, rows):
 def _decode_chunk(moment, plan: _MomentPlan, chunk, rows, row_shape):
   """float32 old value of rows of a moment from `_slice_chunk`'s output."""
   if not plan.quantized:
-    return chunk.astype(jnp.float32)
+    return chunk.astype(compute_dtype(chunk))
   codes, scales = chunk
   shape = (rows,) + row_shape
   return qarray.decode(codes, scales, moment.spec, normalize.layout_for(moment.spec, shape),
@@ -281,7 +287,7 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
   def run_step(grad_rows, buffers, start, size):
     """The step on a chunk, unmaterialized: callers materialize what they use
     (a barrier around all outputs would keep XLA from dropping the unused)."""
-    g = _take_rows(grad_rows, start, size, 1).astype(jnp.float32)
+    g = _take_rows(grad_rows, start, size, 1).astype(compute_dtype(grad_rows))
     old = tuple(_decode_chunk(m, p, _slice_chunk(p, b, start, size), size, row_shape)
                 for m, p, b in zip(moments, plans, buffers))
     return step_fn(g, old, _chunk_side(side, num_rows, start, size))
@@ -471,7 +477,8 @@ def _zero_after(result) -> jax.Array:
   candidates = written_last or [update]
   if _sharding.leaf_sharding(candidates[0]) is not None:
     candidates = [min(candidates, key=lambda x: x.size)]  # the cheapest to reduce
-  word = jax.lax.bitcast_convert_type(stored_value(candidates[0]).astype(jnp.float32), jnp.uint32)
+  value = jnp.real(stored_value(candidates[0])).astype(jnp.float32)
+  word = jax.lax.bitcast_convert_type(value, jnp.uint32)
   return jax.lax.shift_right_logical(
       jax.lax.shift_right_logical(word, np.uint32(31)), np.uint32(1)).astype(jnp.int32)
 

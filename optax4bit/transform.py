@@ -187,9 +187,12 @@ def _leaf_keys(seed, count, num_leaves: int, num_moments: int, stochastic: bool)
           for leaf in range(num_leaves)]
 
 
-def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=jnp.float32):
+def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=jnp.float32, real: bool = False):
   """Zero moment of ``leaf``, sharded like it when its sharding is known
-  (see `optax4bit.sharding`)."""
+  (see `optax4bit.sharding`). A complex leaf's moment is complex (its
+  precision at least ``dtype``'s) unless ``real`` (second moments)."""
+  if spec is None and not real and jnp.iscomplexobj(leaf):
+    dtype = jnp.promote_types(leaf.dtype, dtype)
   if spec is None:
     return _sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, dtype))
   return _sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), jnp.float32, spec))
@@ -305,7 +308,7 @@ def scale_by_adam_4bit(
     leaves, treedef = _flatten_params(params)
     quantized = [_quantizable(p, f, min_quantize_size) for p, f in zip(leaves, flags)]
     mu = [_zeros_moment(p, m_spec if q else None, mu_dtype) for p, q in zip(leaves, quantized)]
-    nu = [_zeros_moment(p, v_spec if q else None) for p, q in zip(leaves, quantized)]
+    nu = [_zeros_moment(p, v_spec if q else None, real=True) for p, q in zip(leaves, quantized)]
     return ScaleByAdam4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(mu),
                                 treedef.unflatten(nu))
 
@@ -349,7 +352,9 @@ def _adam_step(b1, b2, eps, eps_root, correction1, correction2, correction1_next
   del side
   m, v = old
   m = (1 - b1) * g + b1 * m
-  v = (1 - b2) * (g * g) + b2 * v
+  # |g|**2 for complex leaves, as optax's update_moment_per_elem_norm.
+  g_squared = jnp.real(g * jnp.conj(g)) if jnp.iscomplexobj(g) else g * g
+  v = (1 - b2) * g_squared + b2 * v
   if nesterov:
     m_hat = b1 * (m / correction1_next.astype(m.dtype)) + (1 - b1) * (
         g / correction1.astype(g.dtype))
@@ -451,7 +456,7 @@ def scale_by_factored_adam_4bit(
       if quantized and len(p.shape) >= 2:
         nu.append(_sharding.follow_param(p, functools.partial(_zeros_factored, p.shape)))
       else:
-        nu.append(_zeros_moment(p, v_spec if quantized else None))
+        nu.append(_zeros_moment(p, v_spec if quantized else None, real=True))
     return ScaleByFactoredAdam4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(mu),
                                         treedef.unflatten(nu))
 

@@ -196,3 +196,52 @@ def test_nonfinite_gradient_element_does_not_spread(name):
       finite = np.isfinite(np.asarray(u_bad[leaf_name]))
       finite[bad_index] = True
       assert finite.all(), (leaf_name, bad_value)
+
+
+COMPLEX_CASES = {
+    "adam_4bit": (lambda: optax4bit.adam_4bit(1e-2, min_quantize_size=0),
+                  lambda: optax.adam(1e-2)),
+    "adamw_4bit": (lambda: optax4bit.adamw_4bit(1e-2, min_quantize_size=0),
+                   lambda: optax.adamw(1e-2)),
+    "adamw_4bit_factor": (lambda: optax4bit.adamw_4bit_factor(1e-2, min_quantize_size=0),
+                          lambda: optax.adamw(1e-2)),
+    "adamw_8bit": (lambda: optax4bit.adamw_8bit(1e-2, min_quantize_size=0),
+                   lambda: optax.adamw(1e-2)),
+    "sgdm_4bit": (lambda: optax4bit.sgdm_4bit(1e-2, momentum=0.9, min_quantize_size=0),
+                  lambda: optax.sgd(1e-2, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPLEX_CASES))
+def test_complex_params_train_like_optax(name):
+  """Complex leaves are never quantized; their moments are complex (the
+  second moment real, |g|**2), so they follow optax's step exactly."""
+  make, make_reference = COMPLEX_CASES[name]
+  target = {"z": jnp.array([1 + 1j, -2 + 0.5j, 3 - 1j], jnp.complex64),
+            "w": (jax.random.normal(jax.random.key(0), (64, 128))
+                  + 1j * jax.random.normal(jax.random.key(1), (64, 128))).astype(jnp.complex64)}
+  loss = lambda p: sum(jnp.sum(jnp.abs(p[k] - target[k]) ** 2) for k in p)
+
+  def fit(tx):
+    params = jax.tree.map(jnp.zeros_like, target)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+      grads = jax.tree.map(jnp.conj, jax.grad(loss)(params))  # steepest descent
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    for _ in range(300):
+      params, state = step(params, state)
+    return params, state
+
+  params, state = fit(make())
+  reference, _ = fit(make_reference())
+  assert not any(isinstance(x, optax4bit.QuantizedArray) for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, optax4bit.QuantizedArray)))
+  for k in target:
+    assert params[k].dtype == jnp.complex64
+    assert float(jnp.max(jnp.abs(jnp.imag(params[k])))) > 0.1, "imaginary part lost"
+    np.testing.assert_allclose(np.asarray(params[k]), np.asarray(reference[k]), rtol=1e-5,
+                               atol=1e-6)
