@@ -1,35 +1,74 @@
-"""Training quality of every optimizer: mean +- std over seeds, on CPU.
+"""Paired training quality: every optimizer against fp32 AdamW, same init and data.
 
-* LM: the byte-level transformer of ``examples/train_lm.py`` on the Python
-  standard library's source (split by file), in the configuration of
-  ``examples/compare.py`` (2 layers, d_model 128, batch 16 x 64 bytes, 300
-  steps, lr 2e-3 with 30 warmup steps and cosine decay, weight decay 0.01 on
-  matrices, global-norm clipping 1.0): final validation loss in nats/byte on
-  128 fixed validation windows. Optimizers: adamw (optax, fp32), adamw_4bit,
-  adamw_4bit_factor, adamw_8bit, adafactor (optax, momentum 0.9).
-* Digits: the MLP of ``examples/train_digits.py`` (64-256-256-10) on
-  scikit-learn's digits, 1000 steps of batch 64, lr 1e-3 for the Adam family
-  and Adafactor, 0.05 for SGD with momentum 0.9: final accuracy on the 450
-  validation images. Optimizers: the five above plus sgdm (optax) and
-  sgdm_4bit.
+For each problem and seed, every optimizer variant starts from the same
+initialization and sees the same data in the same order; only the storage of
+the moments differs. Each variant is reported by its PAIRED gap to the fp32
+reference (``optax.adamw``, or ``optax.adam`` where weight decay is 0): per
+seed ``gap = metric_variant / metric_reference - 1``, then the mean over seeds
+with its sample std and standard error, at 10 checkpoints over training (not
+only at the end). Pairing removes the seed-to-seed spread of the metric
+(larger than a 1% gap on the small LM), so gaps far below it are resolved.
 
-Every optimizer keeps the paper's rule: leaves with at most 4096 elements keep
-fp32 moments. Seeds change the initialization and the batch order (the data
-split is fixed).
+Problems (CPU, jitted, no downloads):
 
-Goal (issue 6): 4-bit AdamW and 4-bit Factor within 1% relative validation loss
-of fp32 AdamW on the LM (|mean - mean_adamw| / mean_adamw <= 1%), and within
-0.5 accuracy points on digits (|mean - mean_adamw| <= 0.5); sgdm_4bit is
-compared with sgdm the same way. The script prints whether each is met.
+* ``lsq``: least squares ``mean((W @ T - T)**2)``, W and T 256x256,
+  ``W ~ 0.02 N(0, 1)``, ``T ~ N(0, 1)``; full batch, lr 1e-3, 1000 steps.
+* ``mlp``: teacher MLP ``y = tanh(x A) B`` (x 512x64 ~ N(0, 1), A 64x256 ~
+  N(0, 1)/8, B 256x32 ~ N(0, 1)/16), a student of the same shape (no biases,
+  same scales, other keys); MSE, full batch, lr 3e-3, 500 steps.
+* ``sciml``: a Fourier-feature MLP (64 random Fourier features of scale 3,
+  3 tanh hidden layers of 128) regressing a multiscale 2-D field (1, 5 and 15
+  periods plus a boundary layer of width 0.02) on a fixed 48x48 grid of
+  [0, 1]^2; MSE, full batch, 2000 steps, lr 1e-3 with cosine decay to 1e-4.
+  (At a constant 1e-3 Adam's loss jumps 10-100x up and down once it is below
+  about 1e-3, in fp32 as in every variant, and per-seed ratios become noise.)
+* ``cnn``: the CNN of ``examples/_common.py`` on scikit-learn's digits (fixed
+  split, 450 validation images); 1000 steps of batch 64 in a seed-fixed
+  order, lr 1e-3 (50 warmup steps, cosine decay to 10%), no weight decay,
+  global-norm clipping 1.0, the paper's ``min_quantize_size=4096``.
+  Validation loss (the paired metric) and accuracy, evaluated 20 times.
+* ``lm``: the byte-level transformer of ``examples/train_lm.py`` on the
+  Python standard library's source, shrunk to run on 2 CPU cores (2 layers,
+  d_model 96, batch 8 x 64 bytes), 2000 steps, lr 2e-3 (100 warmup steps,
+  cosine decay to 10%), weight decay 0.01 on matrices, clipping 1.0, the
+  paper's ``min_quantize_size=4096``. Validation loss on 128 fixed windows,
+  evaluated 20 times.
 
-Each run is saved under ``runs/bench/`` and reused by a later call with the
-same configuration (``--fresh`` retrains); ``benchmarks/zero_point_ablation.py``
-reuses the adamw, adamw_4bit and adamw_4bit_factor LM runs.
+``lsq``, ``mlp`` and ``sciml`` quantize every leaf (``min_quantize_size=0``)
+and clip no gradients; ``lsq`` and ``mlp`` keep the learning rate constant, as
+in issue 14.
+
+Variants: ``adamw`` (the reference), ``adamw_4bit`` (the library's default
+recipe), ``adamw_4bit_paper`` (``recipe="paper"``: B128/DE + Rank-1/Linear),
+``adamw_4bit_factor``, ``adamw_4bit_factor_paper`` and ``adamw_8bit``. With a
+library whose optimizers take no ``recipe`` argument, the ``*_paper`` variants
+are skipped with a message. Stochastic rounding is seeded with the run's seed.
+
+Goals (issue 14), printed as met / NOT met: on ``lsq`` the mean paired ratio
+``loss / loss_adam`` of ``adamw_4bit`` is <= 1.5 at step 300; on ``mlp``
+<= 2.0 at step 500 for ``adamw_4bit`` and ``adamw_4bit_factor``; on ``lm`` the
+mean paired gap of the validation loss is <= 0.5% (``adamw_4bit``) and <= 1%
+(``adamw_4bit_factor``) at every checkpoint of the second half of training
+(so it does not grow with steps). Stretch: ratio <= 1.2 at the final step of
+``lsq``, ``mlp`` and ``sciml``.
+
+Each run is cached as JSON under ``runs/bench/quality/`` keyed by its full
+configuration (problem settings, variant and its resolved quantizers, seed);
+``--fresh`` retrains. Outputs: ``benchmarks/results/quality_paired.json``
+(problems not run keep their previous entry) and
+``benchmarks/plots/quality_<problem>.png`` (paired gap vs steps, mean +- std
+band per variant).
+
+``lm_optimizer``, ``lm_result`` and ``environment`` serve
+``benchmarks/zero_point_ablation.py``: its 300-step LM configuration (that of
+``examples/compare.py``), built with ``examples/_common.make_optimizer``.
 
 Usage:
-  python benchmarks/quality.py                     # both tasks, seeds 0 1 2
-  python benchmarks/quality.py --task lm --seeds 0
-  python benchmarks/quality.py --task digits --fresh
+  python benchmarks/quality.py                                  # everything
+  python benchmarks/quality.py --problems lsq mlp sciml         # the cheap ones
+  python benchmarks/quality.py --quick                          # smoke test, writes nothing
+  python benchmarks/quality.py --problems lm --seeds 0 1 2 --steps 4000
+  python benchmarks/quality.py --variants adamw adamw_4bit adamw_4bit_paper
 """
 
 from __future__ import annotations
@@ -37,13 +76,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import inspect
+import json
+import math
 import os
 import platform
 import sys
 import time
+from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -52,27 +97,519 @@ import compare  # pylint: disable=wrong-import-position
 import train_digits  # pylint: disable=wrong-import-position
 import train_lm  # pylint: disable=wrong-import-position
 
-LM_OPTIMIZERS = ("adamw", "adamw_4bit", "adamw_4bit_factor", "adamw_8bit", "adafactor")
-DIGITS_OPTIMIZERS = LM_OPTIMIZERS + ("sgdm", "sgdm_4bit")
-LM_SETTINGS = compare.DEFAULTS
-DIGITS_SETTINGS = train_digits.DigitsSettings()
-LM_GOAL_REL = 0.01      # 1% relative validation loss
-DIGITS_GOAL_POINTS = 0.5  # accuracy points
+optax4bit = C.optax4bit
+
 PLOTS = os.path.join(ROOT, "benchmarks", "plots")
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 CACHE = os.path.join("runs", "bench")
+NUM_CHECKPOINTS = 10
+
+# ----------------------------------------------------------------------------
+# Optimizer variants.
+
+REFERENCE = "adamw"
+# variant -> (optax4bit builder name, recipe); the reference is optax's.
+QUANTIZED_VARIANTS = {
+    "adamw_4bit": ("adamw_4bit", None),
+    "adamw_4bit_paper": ("adamw_4bit", "paper"),
+    "adamw_4bit_factor": ("adamw_4bit_factor", None),
+    "adamw_4bit_factor_paper": ("adamw_4bit_factor", "paper"),
+    "adamw_8bit": ("adamw_8bit", None),
+}
+VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
+
+
+def _accepts(fn: Callable, argument: str) -> bool:
+  return argument in inspect.signature(fn).parameters
+
+
+def variant_unavailable(variant: str) -> Optional[str]:
+  """Why this library cannot build ``variant`` (None when it can)."""
+  if variant == REFERENCE:
+    return None
+  builder, recipe = QUANTIZED_VARIANTS[variant]
+  if recipe is not None and not _accepts(getattr(optax4bit, builder), "recipe"):
+    return f"optax4bit.{builder} takes no recipe= argument"
+  return None
+
+
+def variant_quantizers(variant: str) -> dict:
+  """The quantizers a variant resolves to in this library (part of the cache
+  key: a change of a recipe retrains)."""
+  if variant == REFERENCE:
+    return {"first_moment": "fp32", "second_moment": "fp32"}
+  builder, recipe = QUANTIZED_VARIANTS[variant]
+  if builder == "adamw_8bit":
+    return {"first_moment": repr(optax4bit.alias.EIGHT_BIT_FIRST_MOMENT),
+            "second_moment": repr(optax4bit.alias.EIGHT_BIT_SECOND_MOMENT)}
+  resolved = optax4bit.recipes.resolve(recipe or "default")
+  second = repr(resolved.second_moment)
+  if builder == "adamw_4bit_factor":
+    second = f"Factor (ndim >= 2), {second} (1-D)"
+  return {"first_moment": repr(resolved.first_moment), "second_moment": second}
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+  """Optimizer hyperparameters shared by every variant of a problem."""
+  steps: int
+  learning_rate: float
+  weight_decay: float = 0.0
+  min_quantize_size: int = 0
+  # None: constant lr; else linear warmup, then cosine decay to 10% of the peak.
+  warmup_steps: Optional[int] = None
+  clip_norm: Optional[float] = None
+
+
+def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransformation:
+  """``variant`` with the hyperparameters of ``t`` (weight decay on matrices
+  only, as ``examples/_common.make_optimizer``); stochastic rounding is
+  seeded with ``seed``."""
+  if t.warmup_steps is None:
+    lr = t.learning_rate
+  else:
+    lr = C.schedule(C.OptimizerConfig(learning_rate=t.learning_rate, total_steps=t.steps,
+                                      warmup_steps=t.warmup_steps))
+  mask = C._decay_mask if t.weight_decay else None  # pylint: disable=protected-access
+  if variant == REFERENCE:
+    tx = optax.adamw(lr, weight_decay=t.weight_decay, mask=mask) if t.weight_decay else \
+        optax.adam(lr)
+  else:
+    builder_name, recipe = QUANTIZED_VARIANTS[variant]
+    builder = getattr(optax4bit, builder_name)
+    kwargs = {"weight_decay": t.weight_decay, "mask": mask,
+              "min_quantize_size": t.min_quantize_size}
+    if recipe is not None:
+      kwargs["recipe"] = recipe
+    if _accepts(builder, "seed"):
+      kwargs["seed"] = seed
+    tx = builder(lr, **kwargs)
+  if t.clip_norm:
+    tx = optax.chain(optax.clip_by_global_norm(t.clip_norm), tx)
+  return tx
+
+
+# ----------------------------------------------------------------------------
+# Full-batch problems: the whole run is one jitted lax.scan.
+
+
+def train_full_batch(loss_fn: Callable, params, tx: optax.GradientTransformation,
+                     steps: int) -> np.ndarray:
+  """The objective after 0, 1, ..., ``steps`` updates (``steps + 1`` values)."""
+
+  @jax.jit
+  def run(params):
+    def step(carry, _):
+      params, opt_state = carry
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+
+    (params, _), losses = jax.lax.scan(step, (params, tx.init(params)), None, length=steps)
+    return jnp.append(losses, loss_fn(params))
+
+  return np.asarray(run(params), np.float64)
+
+
+def mse(pred, target):
+  return jnp.mean((pred - target) ** 2)
+
+
+def least_squares(seed: int):
+  """``mean((W @ T - T)**2)`` for W, T 256x256."""
+  k_w, k_t = jax.random.split(jax.random.key(seed))
+  target = jax.random.normal(k_t, (256, 256))
+  params = 0.02 * jax.random.normal(k_w, (256, 256))
+  return (lambda w: mse(w @ target, target)), params
+
+
+def teacher_mlp(seed: int):
+  """A student ``tanh(x W1) W2`` fitting a teacher ``tanh(x A) B`` of the same shape."""
+  k_x, k_a, k_b, k_1, k_2 = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(k_x, (512, 64))
+  y = jnp.tanh(x @ (jax.random.normal(k_a, (64, 256)) / 8)) @ (
+      jax.random.normal(k_b, (256, 32)) / 16)
+  params = {"w1": jax.random.normal(k_1, (64, 256)) / 8,
+            "w2": jax.random.normal(k_2, (256, 32)) / 16}
+  return (lambda p: mse(jnp.tanh(x @ p["w1"]) @ p["w2"], y)), params
+
+
+SCIML_GRID, SCIML_FEATURES, SCIML_FOURIER_SCALE, SCIML_WIDTH, SCIML_DEPTH = 48, 64, 3.0, 128, 3
+
+
+def multiscale_target(xy):
+  """A field with 1, 5 and 15 periods across the unit square and a circular
+  boundary layer of width 0.02."""
+  x, y = xy[:, 0], xy[:, 1]
+  radius = jnp.sqrt((x - 0.5) ** 2 + (y - 0.5) ** 2)
+  return (jnp.sin(2 * jnp.pi * x) * jnp.cos(2 * jnp.pi * y)
+          + 0.3 * jnp.sin(10 * jnp.pi * x) * jnp.sin(6 * jnp.pi * y)
+          + 0.1 * jnp.sin(30 * jnp.pi * (x + y)) + 0.5 * jnp.tanh((radius - 0.3) / 0.02))
+
+
+def fourier_mlp(seed: int):
+  """A Fourier-feature tanh MLP regressing `multiscale_target` on a grid."""
+  k_b, k_init = jax.random.split(jax.random.key(seed))
+  g = jnp.linspace(0.0, 1.0, SCIML_GRID)
+  xy = jnp.stack([a.ravel() for a in jnp.meshgrid(g, g, indexing="ij")], axis=-1)
+  target = multiscale_target(xy)
+  freqs = SCIML_FOURIER_SCALE * jax.random.normal(k_b, (2, SCIML_FEATURES // 2))
+  features = jnp.concatenate([jnp.sin(2 * jnp.pi * xy @ freqs),
+                              jnp.cos(2 * jnp.pi * xy @ freqs)], axis=-1)
+  sizes = [SCIML_FEATURES] + [SCIML_WIDTH] * SCIML_DEPTH + [1]
+  glorot = jax.nn.initializers.glorot_normal()
+  keys = jax.random.split(k_init, len(sizes) - 1)
+  params = [{"w": glorot(k, (a, b)), "b": jnp.zeros((b,))}
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+  def loss(params):
+    h = features
+    for layer in params[:-1]:
+      h = jnp.tanh(h @ layer["w"] + layer["b"])
+    return mse((h @ params[-1]["w"] + params[-1]["b"])[:, 0], target)
+
+  return loss, params
+
+
+def run_full_batch(build: Callable, t: Training, variant: str, seed: int) -> dict:
+  loss_fn, params = build(seed)
+  tx = make_optimizer(variant, t, seed)
+  state_bytes, num_params, per_param = C.state_bytes_per_param(tx.init(params), params)
+  losses = train_full_batch(loss_fn, params, tx, t.steps)
+  return {"steps": list(range(t.steps + 1)), "metrics": {"loss": losses.tolist()},
+          "params": num_params, "state_bytes": state_bytes, "state_bytes_per_param": per_param}
+
+
+# ----------------------------------------------------------------------------
+# Minibatch problems (CNN on digits, byte-level LM): examples/_common's Trainer.
+
+
+def train_minibatch(trainer: C.Trainer, batches, steps: int, eval_points: set,
+                    evaluate: Callable[[], dict]) -> dict:
+  """Trains ``steps`` steps; ``evaluate()`` (a dict of metrics) at step 0 and
+  at ``eval_points``."""
+  record = {"steps": [0], "metrics": {k: [v] for k, v in evaluate().items()}}
+  train_loss = []
+  for step in range(1, steps + 1):
+    x, y = next(batches)
+    train_loss.append(trainer.step(x, y))
+    if step in eval_points:
+      record["steps"].append(step)
+      for k, v in evaluate().items():
+        record["metrics"][k].append(v)
+  return {**record, "train_loss": train_loss, **trainer.state_stats()}
+
+
+def evaluation_points(steps: int) -> set:
+  """20 evenly spaced evaluations."""
+  every = max(1, steps // 20)
+  return set(range(every, steps, every)) | {steps}
+
+
+def run_cnn(t: Training, variant: str, seed: int, data) -> dict:
+  (x_train, y_train), (x_val, y_val) = data
+  s = train_digits.DigitsSettings(steps=t.steps, model="cnn", seed=seed)
+  trainer = C.Trainer(train_digits.make_model(s), make_optimizer(variant, t, seed))
+
+  def evaluate():
+    loss, accuracy = trainer.evaluate(x_val, y_val, 512)
+    return {"val_loss": loss, "val_accuracy": accuracy}
+
+  return train_minibatch(trainer, C.classification_batches(x_train, y_train, s.batch_size, seed),
+                         t.steps, evaluation_points(t.steps), evaluate)
+
+
+LM_MODEL = dict(batch_size=8, seq_len=64, d_model=96, num_layers=2, num_heads=4,
+                eval_windows=128)
+
+
+def lm_settings(t: Training, seed: int) -> train_lm.LMSettings:
+  return train_lm.LMSettings(steps=t.steps, warmup_steps=t.warmup_steps, seed=seed, **LM_MODEL)
+
+
+def run_lm_variant(t: Training, variant: str, seed: int, data) -> dict:
+  train, val, _ = data
+  s = lm_settings(t, seed)
+  trainer = C.Trainer(train_lm.make_model(s), make_optimizer(variant, t, seed))
+  x_val, y_val = C.lm_eval_windows(val, s.eval_windows, s.seq_len)
+  return train_minibatch(trainer, C.lm_batches(train, s.batch_size, s.seq_len, seed), s.steps,
+                         evaluation_points(s.steps),
+                         lambda: {"val_loss": trainer.evaluate(x_val, y_val, 32)[0]})
+
+
+# ----------------------------------------------------------------------------
+# Problems.
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+  """``variants``' mean paired ratio (or gap) held to ``limit``."""
+  variants: tuple
+  limit: float
+  step: Optional[int] = None  # None: every checkpoint of the second half
+  stretch: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  name: str
+  title: str
+  training: Training
+  seeds: int                 # default number of seeds
+  metric: str                # the paired metric
+  report_steps: tuple        # the steps of the ratio table
+  quick_steps: int
+  goals: tuple = ()
+  lower_is_better: bool = True
+  settings: Optional[dict] = None  # what the cache key adds to `training`
+
+
+STRETCH = 1.2
+PROBLEMS = {
+    "lsq": Problem("lsq", "least squares mean((W @ T - T)**2), W, T 256x256",
+                   Training(steps=1000, learning_rate=1e-3), seeds=5, metric="loss",
+                   report_steps=(100, 300, 1000), quick_steps=300,
+                   goals=(Goal(("adamw_4bit",), 1.5, step=300),
+                          Goal(("adamw_4bit",), STRETCH, step=1000, stretch=True))),
+    "mlp": Problem("mlp", "teacher MLP 64-256-32 (tanh, no biases), MSE",
+                   Training(steps=500, learning_rate=3e-3), seeds=5, metric="loss",
+                   report_steps=(100, 500), quick_steps=100,
+                   goals=(Goal(("adamw_4bit", "adamw_4bit_factor"), 2.0, step=500),
+                          Goal(("adamw_4bit", "adamw_4bit_factor"), STRETCH, step=500,
+                               stretch=True))),
+    "sciml": Problem("sciml", f"Fourier-feature tanh MLP ({SCIML_DEPTH}x{SCIML_WIDTH}) on a "
+                     f"multiscale 2-D field, {SCIML_GRID}x{SCIML_GRID} grid",
+                     Training(steps=2000, learning_rate=1e-3, warmup_steps=0), seeds=5,
+                     metric="loss",
+                     report_steps=(500, 2000), quick_steps=100,
+                     goals=(Goal(("adamw_4bit", "adamw_4bit_factor"), STRETCH, step=2000,
+                                 stretch=True),),
+                     settings={"grid": SCIML_GRID, "features": SCIML_FEATURES,
+                               "fourier_scale": SCIML_FOURIER_SCALE, "width": SCIML_WIDTH,
+                               "depth": SCIML_DEPTH}),
+    "cnn": Problem("cnn", "CNN on scikit-learn digits (validation loss)",
+                   Training(steps=1000, learning_rate=1e-3, min_quantize_size=4096,
+                            warmup_steps=50, clip_norm=1.0), seeds=3, metric="val_loss",
+                   report_steps=(1000,), quick_steps=40,
+                   settings={"batch_size": train_digits.DigitsSettings.batch_size}),
+    "lm": Problem("lm", "byte-level transformer LM on the Python stdlib (validation loss)",
+                  Training(steps=2000, learning_rate=2e-3, weight_decay=0.01,
+                           min_quantize_size=4096, warmup_steps=100, clip_norm=1.0),
+                  seeds=3, metric="val_loss", report_steps=(2000,), quick_steps=40,
+                  goals=(Goal(("adamw_4bit",), 0.005), Goal(("adamw_4bit_factor",), 0.01)),
+                  settings=LM_MODEL),
+}
+
+
+def run_problem_variant(problem: Problem, t: Training, variant: str, seed: int, data, *,
+                        fresh: bool) -> dict:
+  """One cached run."""
+  key = {"problem": problem.name, "training": dataclasses.asdict(t),
+         "settings": problem.settings, "variant": variant,
+         "quantizers": variant_quantizers(variant), "seed": seed}
+  if problem.name == "lm":
+    key["corpus"] = data[2]
+  path = os.path.join(CACHE, "quality", problem.name, f"{variant}_steps{t.steps}_seed{seed}.json")
+
+  def fresh_run():
+    start = time.perf_counter()
+    if problem.name == "cnn":
+      out = run_cnn(t, variant, seed, data)
+    elif problem.name == "lm":
+      out = run_lm_variant(t, variant, seed, data)
+    else:
+      out = run_full_batch({"lsq": least_squares, "mlp": teacher_mlp,
+                            "sciml": fourier_mlp}[problem.name], t, variant, seed)
+    out["wall_s"] = time.perf_counter() - start
+    return out
+
+  return C.run_cached(path, key, fresh_run, fresh=fresh)
+
+
+# ----------------------------------------------------------------------------
+# Paired statistics.
+
+
+def checkpoints(steps: list) -> list:
+  """`NUM_CHECKPOINTS` evenly spaced steps among ``steps`` (step 0 excluded)."""
+  later = [s for s in steps if s > 0]
+  ends = np.ceil(np.linspace(0, len(later), NUM_CHECKPOINTS + 1)[1:]).astype(int)
+  idx = np.unique(np.maximum(ends - 1, 0))
+  return [later[i] for i in idx]
+
+
+def stats(values) -> dict:
+  values = np.asarray(values, np.float64)
+  n = len(values)
+  std = float(np.std(values, ddof=1)) if n > 1 else 0.0
+  return {"mean": float(np.mean(values)), "std": std, "se": std / math.sqrt(n)}
+
+
+def paired(runs: dict, metric: str, steps: list) -> dict:
+  """variant -> step -> per-seed values, ratios to the reference and their stats."""
+  ref = runs[REFERENCE]
+  out = {}
+  for variant, seeds_runs in runs.items():
+    out[variant] = {}
+    for step in steps:
+      values = [r["metrics"][metric][r["steps"].index(step)] for r in seeds_runs]
+      ref_values = [r["metrics"][metric][r["steps"].index(step)] for r in ref]
+      ratios = [v / rv for v, rv in zip(values, ref_values)]
+      out[variant][step] = {"values": values, "value": stats(values), "ratios": ratios,
+                            "ratio": stats(ratios)}
+  return out
+
+
+def paired_accuracy(runs: dict, steps: list) -> dict:
+  """variant -> step -> paired accuracy difference to the reference, in points."""
+  ref = runs[REFERENCE]
+  out = {}
+  for variant, seeds_runs in runs.items():
+    out[variant] = {}
+    for step in steps:
+      deltas = [100 * (r["metrics"]["val_accuracy"][r["steps"].index(step)]
+                       - rr["metrics"]["val_accuracy"][rr["steps"].index(step)])
+                for r, rr in zip(seeds_runs, ref)]
+      accuracy = [100 * r["metrics"]["val_accuracy"][r["steps"].index(step)] for r in seeds_runs]
+      out[variant][step] = {"accuracy": stats(accuracy), "delta_points": stats(deltas),
+                            "per_seed_delta_points": deltas}
+  return out
+
+
+def evaluate_goals(problem: Problem, table: dict, steps: list) -> list:
+  """One dict per (goal, variant) that this run can judge."""
+  results = []
+  for goal in problem.goals:
+    for variant in goal.variants:
+      if variant not in table:
+        continue
+      if goal.step is None:  # the gap at every checkpoint of the second half
+        judged = [s for s in steps if s >= steps[-1] / 2]
+        worst = max(table[variant][s]["ratio"]["mean"] - 1 for s in judged)
+        results.append({"variant": variant, "stretch": goal.stretch, "limit": goal.limit,
+                        "kind": "gap", "what": f"mean paired gap <= {100 * goal.limit:g}% at steps "
+                                f"{judged[0]}..{judged[-1]}",
+                        "value": worst, "met": worst <= goal.limit})
+      elif goal.step in table[variant]:
+        ratio = table[variant][goal.step]["ratio"]["mean"]
+        results.append({"variant": variant, "stretch": goal.stretch, "limit": goal.limit,
+                        "kind": "ratio", "what": f"mean paired ratio <= {goal.limit:g} at step {goal.step}",
+                        "value": ratio, "met": ratio <= goal.limit})
+  return results
+
+
+# ----------------------------------------------------------------------------
+# Tables and plots.
+
+
+def pct(x: float) -> str:
+  return f"{100 * x:+.2f}%" if abs(x) < 1 else f"{100 * x:+.0f}%"
+
+
+def gap_cell(ratio: dict) -> str:
+  """Mean paired gap ± its standard error, in percent."""
+  gap, se = 100 * (ratio["mean"] - 1), 100 * ratio["se"]
+  return f"{gap:+.2f} ± {se:.2f}" if abs(gap) < 100 else f"{gap:+.0f} ± {se:.0f}"
+
+
+def ratio_table(problem: Problem, runs: dict, table: dict, report_steps: list) -> str:
+  n = len(runs[REFERENCE])
+  head = " | ".join(f"{problem.metric} @{s} | ratio @{s} (mean ± std, se)" for s in report_steps)
+  lines = [f"| variant | state B/param | {head} | per-seed ratio @{report_steps[-1]} |",
+           "|---|---|" + "---|---|" * len(report_steps) + "---|"]
+  for variant, seeds_runs in runs.items():
+    cells = []
+    for s in report_steps:
+      v, r = table[variant][s]["value"], table[variant][s]["ratio"]
+      cells.append(f"{v['mean']:.4g} | {r['mean']:.3f} ± {r['std']:.3f} ({r['se']:.3f})")
+    per_seed = ", ".join(f"{x:.3f}" for x in table[variant][report_steps[-1]]["ratios"])
+    lines.append(f"| {variant} | {seeds_runs[0]['state_bytes_per_param']:.3f} | "
+                 + " | ".join(cells) + f" | {per_seed} |")
+  return f"{n} seeds\n" + "\n".join(lines)
+
+
+def gap_table(runs: dict, table: dict, steps: list) -> str:
+  lines = ["| mean paired gap % (± se) at step | " + " | ".join(str(s) for s in steps) + " |",
+           "|---|" + "---|" * len(steps)]
+  for variant in runs:
+    if variant == REFERENCE:
+      continue
+    cells = [gap_cell(table[variant][s]["ratio"]) for s in steps]
+    lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def accuracy_table(runs: dict, accuracy: dict, step: int) -> str:
+  lines = [f"| variant | val accuracy % @{step} (mean ± std) | paired delta, points (mean ± se) "
+           "| per seed |", "|---|---|---|---|"]
+  for variant in runs:
+    a, d = accuracy[variant][step]["accuracy"], accuracy[variant][step]["delta_points"]
+    per_seed = ", ".join(f"{x:+.2f}" for x in accuracy[variant][step]["per_seed_delta_points"])
+    lines.append(f"| {variant} | {a['mean']:.2f} ± {a['std']:.2f} | {d['mean']:+.2f} ± "
+                 f"{d['se']:.2f} | {per_seed} |")
+  return "\n".join(lines)
+
+
+def plot_gaps(path: str, problem: Problem, runs: dict, title: str) -> None:
+  """Paired gap vs step, mean ± std band over seeds, one line per variant.
+
+  Gaps within ±50% are drawn in percent on a linear axis; larger ones as the
+  ratio to the reference on a log axis (a 100x lead and a 5x lag both show).
+  """
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  steps = np.asarray(runs[REFERENCE][0]["steps"])
+  keep = steps > 0
+  if keep.sum() > 200:  # full-batch curves: 200 points are enough to draw
+    keep &= np.isin(np.arange(len(steps)), np.linspace(1, len(steps) - 1, 200).astype(int))
+  ref = np.array([r["metrics"][problem.metric] for r in runs[REFERENCE]])[:, keep]
+  ratios = {v: np.array([r["metrics"][problem.metric] for r in rs])[:, keep] / ref
+            for v, rs in runs.items() if v != REFERENCE}
+  as_ratio = max(float(np.max(np.abs(r.mean(0) - 1))) for r in ratios.values()) > 0.5
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for variant, ratio in ratios.items():
+    values = ratio if as_ratio else 100 * (ratio - 1)
+    mean = values.mean(0)
+    std = values.std(0, ddof=1) if len(values) > 1 else np.zeros_like(mean)
+    color = f"C{VARIANTS.index(variant)}"
+    ax.plot(steps[keep], mean, color=color, lw=1.5, label=variant)
+    low = np.maximum(mean - std, mean / 2) if as_ratio else mean - std
+    ax.fill_between(steps[keep], low, mean + std, color=color, alpha=0.2, lw=0)
+  ax.axhline(1 if as_ratio else 0, color="k", lw=0.8)
+  if as_ratio:
+    ax.set_yscale("log")
+    ax.set_ylabel(f"paired ratio of {problem.metric} to {REFERENCE}")
+  else:
+    ax.set_ylabel(f"paired gap of {problem.metric} to {REFERENCE} (%)")
+  ax.set_xlabel("step")
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# ----------------------------------------------------------------------------
+# The zero-point ablation's LM configuration (benchmarks/zero_point_ablation.py).
+
+ABLATION_LM_SETTINGS = compare.DEFAULTS
 
 
 def lm_optimizer(name: str, seed: int, *, first_moment=None, second_moment=None):
-  s = LM_SETTINGS
+  """The ablation's optimizer ``name`` (``examples/_common.make_optimizer``)."""
+  s = ABLATION_LM_SETTINGS
   return C.OptimizerConfig(name=name, learning_rate=compare.LR, weight_decay=compare.WEIGHT_DECAY,
                            first_moment=first_moment, second_moment=second_moment,
                            total_steps=s.steps, warmup_steps=s.warmup_steps, seed=seed)
 
 
 def lm_result(opt: C.OptimizerConfig, data, *, fresh=False, progress=True) -> dict:
-  """One LM run of the benchmark configuration (cached under runs/bench/lm)."""
-  s = dataclasses.replace(LM_SETTINGS, seed=opt.seed)
+  """One 300-step LM run of the ablation's configuration (cached under runs/bench/lm)."""
+  s = dataclasses.replace(ABLATION_LM_SETTINGS, seed=opt.seed)
   key = {"settings": dataclasses.asdict(s), "optimizer": dataclasses.asdict(opt),
          "corpus": data[2]}
   path = os.path.join(CACHE, "lm", f"{C.slug(opt.label())}_seed{opt.seed}.json")
@@ -80,162 +617,116 @@ def lm_result(opt: C.OptimizerConfig, data, *, fresh=False, progress=True) -> di
                                                          progress=progress), fresh=fresh)
 
 
-def digits_result(name: str, seed: int, data, *, fresh=False, progress=True) -> dict:
-  s = dataclasses.replace(DIGITS_SETTINGS, seed=seed)
-  lr = C.default_lr(name, train_digits.ADAM_LR, train_digits.SGD_LR)
-  opt = C.OptimizerConfig(name=name, learning_rate=lr, weight_decay=0.0, total_steps=s.steps,
-                          warmup_steps=s.warmup_steps, seed=seed)
-  key = {"settings": dataclasses.asdict(s), "optimizer": dataclasses.asdict(opt)}
-  path = os.path.join(CACHE, "digits", f"{C.slug(opt.label())}_{s.model}_seed{seed}.json")
-  return C.run_cached(path, key, lambda: train_digits.run_digits(s, opt, data,
-                                                                 progress=progress),
-                      fresh=fresh)
-
-
-def mean_curve(runs: list, key: str) -> list:
-  """Point-wise mean of the runs' ``key`` curves (same steps in every run)."""
-  steps = [s for s, _ in runs[0][key]]
-  values = np.mean([[v for _, v in r[key]] for r in runs], axis=0)
-  return list(zip(steps, values.tolist()))
-
-
 def environment() -> str:
   return (f"{datetime.date.today()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}, jax {jax.__version__}")
 
 
-def lm_table(runs: dict, seeds) -> tuple[str, dict]:
-  ref_mean, _ = C.mean_std([r["final_val_loss"] for r in runs["adamw"]])
-  lines = [f"| optimizer | state bytes/param | final val loss, nats/byte (mean ± std, "
-           f"{len(seeds)} seeds) | vs adamw | per seed | step time (ms) |",
-           "|---|---|---|---|---|---|"]
-  summary = {}
-  for name, rs in runs.items():
-    mean, std = C.mean_std([r["final_val_loss"] for r in rs])
-    rel = (mean - ref_mean) / ref_mean
-    per_seed = ", ".join(f"{r['final_val_loss']:.4f}" for r in rs)
-    step_ms = 1e3 * float(np.median([r["step_time_median_s"] for r in rs]))
-    lines.append(f"| {name} | {rs[0]['state_bytes_per_param']:.3f} | {mean:.4f} ± {std:.4f} "
-                 f"| {100 * rel:+.2f}% | {per_seed} | {step_ms:.0f} |")
-    summary[name] = {"mean": mean, "std": std, "rel_vs_adamw": rel, "per_seed":
-                     [r["final_val_loss"] for r in rs],
-                     "state_bytes_per_param": rs[0]["state_bytes_per_param"],
-                     "params": rs[0]["params"], "step_time_ms": step_ms,
-                     "diverged": sum(bool(r["diverged"]) for r in rs)}
-  return "\n".join(lines), summary
+# ----------------------------------------------------------------------------
+# Main.
 
 
-def digits_table(runs: dict, seeds) -> tuple[str, dict]:
-  lines = [f"| optimizer | state bytes/param | val accuracy % (mean ± std, {len(seeds)} seeds) "
-           f"| vs fp32 reference | per seed | val loss |", "|---|---|---|---|---|---|"]
-  summary = {}
-  means = {n: C.mean_std([100 * r["final_val_accuracy"] for r in rs])[0]
-           for n, rs in runs.items()}
-  for name, rs in runs.items():
-    mean, std = C.mean_std([100 * r["final_val_accuracy"] for r in rs])
-    ref = "sgdm" if name.startswith("sgdm") else "adamw"
-    delta = mean - means[ref]
-    loss_mean, loss_std = C.mean_std([r["final_val_loss"] for r in rs])
-    per_seed = ", ".join(f"{100 * r['final_val_accuracy']:.2f}" for r in rs)
-    lines.append(f"| {name} | {rs[0]['state_bytes_per_param']:.3f} | {mean:.2f} ± {std:.2f} "
-                 f"| {delta:+.2f} pts vs {ref} | {per_seed} | {loss_mean:.4f} ± {loss_std:.4f} |")
-    summary[name] = {"mean": mean, "std": std, "reference": ref, "delta_points": delta,
-                     "per_seed": [100 * r["final_val_accuracy"] for r in rs],
-                     "val_loss_mean": loss_mean, "val_loss_std": loss_std,
-                     "state_bytes_per_param": rs[0]["state_bytes_per_param"],
-                     "params": rs[0]["params"]}
-  return "\n".join(lines), summary
+def load_data(name: str):
+  if name == "cnn":
+    return C.load_digits_split()
+  if name == "lm":
+    return C.load_stdlib_corpus()
+  return None
+
+
+def benchmark_problem(problem: Problem, t: Training, variants: list, seeds: list, *,
+                      fresh: bool, write: bool) -> dict:
+  start = time.perf_counter()
+  data = load_data(problem.name)
+  runs = {}
+  for variant in variants:
+    runs[variant] = []
+    for seed in seeds:
+      r = run_problem_variant(problem, t, variant, seed, data, fresh=fresh)
+      runs[variant].append(r)
+      print(f"  {problem.name} {variant} seed {seed}: {problem.metric} "
+            f"{r['metrics'][problem.metric][-1]:.5g}"
+            + (" (cached)" if r["cached"] else f" ({r['wall_s']:.0f} s)"), flush=True)
+  steps = runs[REFERENCE][0]["steps"]
+  marks = checkpoints(steps)
+  report = sorted({s for s in problem.report_steps if s in steps} | {steps[-1]})
+  table = paired(runs, problem.metric, sorted(set(marks) | set(report)))
+  goals = evaluate_goals(problem, table, marks)
+  train_s = sum(r["wall_s"] for rs in runs.values() for r in rs)
+  title = f"{problem.name}: {problem.title}, {t.steps} steps, {len(seeds)} seeds"
+  print(f"\n## {title}\n")
+  print(ratio_table(problem, runs, table, report))
+  print()
+  print(gap_table(runs, table, marks))
+  out = {"title": problem.title, "environment": environment(),
+         "training": dataclasses.asdict(t), "settings": problem.settings, "metric": problem.metric, "seeds": seeds, "reference": REFERENCE,
+         "quantizers": {v: variant_quantizers(v) for v in runs},
+         "state_bytes_per_param": {v: rs[0]["state_bytes_per_param"] for v, rs in runs.items()},
+         "params": runs[REFERENCE][0]["params"], "checkpoints": marks, "report_steps": report,
+         "paired": {v: {str(s): row for s, row in rows.items()} for v, rows in table.items()},
+         "goals": goals, "train_wall_s_of_runs": train_s}
+  if "val_accuracy" in runs[REFERENCE][0]["metrics"]:
+    accuracy = paired_accuracy(runs, [steps[-1]])
+    print()
+    print(accuracy_table(runs, accuracy, steps[-1]))
+    out["accuracy"] = {v: {str(s): row for s, row in rows.items()} for v, rows in accuracy.items()}
+  for g in goals:
+    value = pct(g["value"]) if g["kind"] == "gap" else f"{g['value']:.3f}"
+    print(f"{'stretch' if g['stretch'] else 'goal'} {problem.name} {g['variant']}: {g['what']}: "
+          f"{value} -> {'met' if g['met'] else 'NOT met'}")
+  out["wall_s"] = time.perf_counter() - start
+  print(f"{problem.name}: {out['wall_s']:.0f} s wall; the runs' training took {train_s:.0f} s "
+        f"(cached runs included)", flush=True)
+  if write:
+    plot_gaps(os.path.join(PLOTS, f"quality_{problem.name}.png"), problem, runs,
+              f"{problem.title}\n{problem.name}: {t.steps} steps, {len(seeds)} seeds")
+  return out
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--task", choices=("lm", "digits", "all"), default="all")
-  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  parser.add_argument("--optimizers", nargs="+", default=None,
-                      help="subset of the optimizers (default: all of the task)")
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog="\n".join(__doc__.splitlines()[1:]))
+  parser.add_argument("--problems", nargs="+", choices=tuple(PROBLEMS), default=list(PROBLEMS))
+  parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                      help=f"{REFERENCE} (the reference) is always run")
+  parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                      help="default: 0..4 for lsq, mlp, sciml; 0..2 for cnn, lm")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="training steps of every problem run (default: the problem's)")
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke test: few steps, 2 seeds, writes nothing under benchmarks/")
   parser.add_argument("--fresh", action="store_true", help="retrain cached runs")
-  parser.add_argument("--no-progress", action="store_true")
   parser.add_argument("--no-write", action="store_true",
                       help="do not write benchmarks/plots and benchmarks/results")
   args = parser.parse_args(argv)
   C.enable_compile_cache()
-  start = time.perf_counter()
-  out = {"environment": environment(), "seeds": args.seeds}
-  print(f"# Training quality ({out['environment']})")
-  progress = not args.no_progress
-
-  if args.task in ("lm", "all"):
-    train, val, info = C.load_stdlib_corpus()
-    data = (train, val, info)
-    names = [n for n in LM_OPTIMIZERS if args.optimizers is None or n in args.optimizers]
-    if "adamw" not in names:
-      names.insert(0, "adamw")
-    runs = {}
-    for name in names:
-      runs[name] = [lm_result(lm_optimizer(name, seed), data, fresh=args.fresh,
-                              progress=progress) for seed in args.seeds]
-      print(f"  lm {name}: " + ", ".join(f"{r['final_val_loss']:.4f}"
-                                         + (" (cached)" if r["cached"] else "")
-                                         for r in runs[name]), flush=True)
-    table, summary = lm_table(runs, args.seeds)
-    print(f"\n## LM: byte-level transformer, {runs['adamw'][0]['params']:,} params, "
-          f"{LM_SETTINGS.steps} steps; corpus Python {info['python']} stdlib "
-          f"({info['train_files']} train / {info['val_files']} val files)\n")
-    print(table)
-    goal = {}
-    for name in ("adamw_4bit", "adamw_4bit_factor"):
-      if name in summary:
-        rel = summary[name]["rel_vs_adamw"]
-        goal[name] = abs(rel) <= LM_GOAL_REL
-        print(f"goal |{name} - adamw| / adamw <= 1%: {100 * rel:+.2f}% -> "
-              f"{'met' if goal[name] else 'NOT met'}")
-    out["lm"] = {"settings": dataclasses.asdict(LM_SETTINGS), "corpus": info,
-                 "summary": summary, "goal_met": goal, "table": table}
-    if not args.no_write:
-      C.plot_curves(os.path.join(PLOTS, "quality_lm.png"),
-                    {n: {"train": mean_curve(rs, "train_loss"), "val": mean_curve(rs, "val_loss")}
-                     for n, rs in runs.items()},
-                    title=f"byte-level LM, mean of {len(args.seeds)} seeds",
-                    ylabel="cross-entropy (nats/byte)")
-
-  if args.task in ("digits", "all"):
-    data = C.load_digits_split()
-    names = [n for n in DIGITS_OPTIMIZERS if args.optimizers is None or n in args.optimizers]
-    if "adamw" not in names:
-      names.insert(0, "adamw")
-    if "sgdm_4bit" in names and "sgdm" not in names:
-      names.insert(names.index("sgdm_4bit"), "sgdm")
-    runs = {}
-    for name in names:
-      runs[name] = [digits_result(name, seed, data, fresh=args.fresh, progress=progress)
-                    for seed in args.seeds]
-      print(f"  digits {name}: " + ", ".join(f"{100 * r['final_val_accuracy']:.2f}%"
-                                             for r in runs[name]), flush=True)
-    table, summary = digits_table(runs, args.seeds)
-    print(f"\n## Digits: MLP 64-{DIGITS_SETTINGS.hidden}-{DIGITS_SETTINGS.hidden}-10, "
-          f"{runs[names[0]][0]['params']:,} params, {DIGITS_SETTINGS.steps} steps of batch "
-          f"{DIGITS_SETTINGS.batch_size}, 450 validation images\n")
-    print(table)
-    goal = {}
-    for name in ("adamw_4bit", "adamw_4bit_factor", "sgdm_4bit"):
-      if name in summary:
-        d = summary[name]["delta_points"]
-        goal[name] = abs(d) <= DIGITS_GOAL_POINTS
-        print(f"goal |{name} - {summary[name]['reference']}| <= 0.5 points: {d:+.2f} -> "
-              f"{'met' if goal[name] else 'NOT met'}")
-    out["digits"] = {"settings": dataclasses.asdict(DIGITS_SETTINGS), "summary": summary,
-                     "goal_met": goal, "table": table}
-    if not args.no_write:
-      C.plot_curves(os.path.join(PLOTS, "quality_digits.png"),
-                    {n: {"val": mean_curve(rs, "val_loss")} for n, rs in runs.items()},
-                    title=f"digits MLP, validation loss, mean of {len(args.seeds)} seeds",
-                    ylabel="cross-entropy", logy=True)
-
-  out["elapsed_s"] = time.perf_counter() - start
-  print(f"\ntotal {out['elapsed_s']:.0f} s")
-  if not args.no_write:
-    C.save_json(os.path.join(RESULTS, f"quality_{args.task}.json"), out)
-  return out
+  write = not (args.no_write or args.quick)
+  variants = [REFERENCE] + [v for v in args.variants if v != REFERENCE]
+  for v in list(variants):
+    why = variant_unavailable(v)
+    if why:
+      print(f"skipping {v}: {why}")
+      variants.remove(v)
+  print(f"# Paired training quality ({environment()})")
+  results = {}
+  for name in args.problems:
+    problem = PROBLEMS[name]
+    steps = args.steps or (problem.quick_steps if args.quick else problem.training.steps)
+    t = dataclasses.replace(problem.training, steps=steps)
+    if t.warmup_steps:
+      t = dataclasses.replace(t, warmup_steps=min(t.warmup_steps, steps // 10))
+    seeds = args.seeds or list(range(2 if args.quick else problem.seeds))
+    results[name] = benchmark_problem(problem, t, variants, seeds, fresh=args.fresh, write=write)
+  if write:  # problems not run keep their previous entry
+    path = os.path.join(RESULTS, "quality_paired.json")
+    out = {"problems": {}}
+    if os.path.exists(path):
+      with open(path) as f:
+        out = json.load(f)
+    out["problems"].update(results)
+    C.save_json(path, out)
+  return results
 
 
 if __name__ == "__main__":
