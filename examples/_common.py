@@ -75,17 +75,23 @@ class OptimizerConfig:
     """A short name for tables and file names' stems."""
     if self.first_moment is None and self.second_moment is None:
       return self.name
-    label = f"{self.name}[m={self.first_moment or 'B128/DE'}"
+    label = f"{self.name}[m={self.first_moment or 'default'}"
     if self.name != "sgdm_4bit":
-      label += f",v={self.second_moment or 'Rank-1/Linear'}"
+      label += f",v={self.second_moment or 'default'}"
     return label + "]"
 
 
-def _spec(name: Optional[str], default: str, stochastic: bool):
-  name = name or default
+def _spec(name: Optional[str], default: optax4bit.QuantSpec, stochastic: bool):
+  """The quantizer ``name`` (None: the default recipe's ``default``), with
+  stochastic rounding if asked for."""
+  if name is None:
+    return default.replace(stochastic=True) if stochastic else None
   if not stochastic:
     return name
   return optax4bit.QuantSpec.parse(name, stochastic=True)
+
+
+_DEFAULT_RECIPE = optax4bit.recipes.RECIPES["default"]
 
 
 def schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -132,13 +138,13 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     tx = optax.adamw(lr, **adam)
   elif name == "adamw_4bit":
     tx = optax4bit.adamw_4bit(
-        lr, **adam, **quant, first_moment=_spec(first, "B128/DE", cfg.stochastic_rounding),
-        second_moment=_spec(second, "Rank-1/Linear", cfg.stochastic_rounding))
+        lr, **adam, **quant, first_moment=_spec(first, _DEFAULT_RECIPE.first_moment, cfg.stochastic_rounding),
+        second_moment=_spec(second, _DEFAULT_RECIPE.second_moment, cfg.stochastic_rounding))
   elif name == "adamw_4bit_factor":
     second = None if second == "Factor" else second
     tx = optax4bit.adamw_4bit_factor(
-        lr, **adam, **quant, first_moment=_spec(first, "B128/DE", cfg.stochastic_rounding),
-        second_moment=_spec(second, "Rank-1/Linear", cfg.stochastic_rounding))
+        lr, **adam, **quant, first_moment=_spec(first, _DEFAULT_RECIPE.first_moment, cfg.stochastic_rounding),
+        second_moment=_spec(second, _DEFAULT_RECIPE.second_moment, cfg.stochastic_rounding))
   elif name == "adamw_8bit":
     tx = optax4bit.adamw_8bit(lr, **adam, min_quantize_size=cfg.min_quantize_size)
   elif name == "adafactor":
@@ -152,7 +158,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     tx = optax.sgd(lr, momentum=cfg.momentum)
   else:  # sgdm_4bit
     tx = optax4bit.sgdm_4bit(lr, momentum=cfg.momentum, **quant,
-                             first_moment=_spec(first, "B128/DE", cfg.stochastic_rounding))
+                             first_moment=_spec(first, _DEFAULT_RECIPE.first_moment, cfg.stochastic_rounding))
   if name in ("sgdm", "sgdm_4bit") and cfg.weight_decay:
     # L2 weight decay added to the gradient before the momentum (as torch.optim.SGD).
     tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay, _decay_mask), tx)
