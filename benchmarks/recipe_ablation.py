@@ -18,8 +18,9 @@ prints the loss ratio to fp32 Adam (mean and range over seeds) and, from
 against an fp32 shadow fed the same gradients), the relative errors of the
 stored m, v and of the update direction, and the fraction of elements whose
 stored v is more than 4x the fp32 v (their steps shrink more than 2x: the
-``Rank-1/Linear`` floor). Last, 4-bit Factor with three first moments (loss
-ratios only).
+``Rank-1/Linear`` floor). Last, 4-bit Factor with three first moments, and
+SGD with momentum 0.9 (``sgdm_4bit``'s recipes against ``optax.sgd``, lr 0.5 on
+least squares, 0.3 elsewhere), loss ratios only.
 
   python benchmarks/recipe_ablation.py                 # 3 seeds, ~6 min on 2 cores
   python benchmarks/recipe_ablation.py --seeds 0 1 2 3 4
@@ -91,6 +92,10 @@ FACTOR_CONFIGS = {
     "Factor, m default (B128/NF stochastic)": NF_SR,
     "Factor, m 8-bit B256/DE (about fp32)": QuantSpec("block", "DE", 8, True, 256),
 }
+
+SGDM_LR = {"least_squares": 0.5, "teacher_mlp": 0.3, "least_squares_outlier": 0.3}
+SGDM_CONFIGS = {"sgdm_4bit paper (B128/DE)": "paper", "sgdm_4bit default (B128/NF stochastic)":
+                "default"}
 
 PROBLEMS = {"least_squares": (least_squares, 1e-3, 300), "teacher_mlp": (teacher_mlp, 3e-3, 500),
             "least_squares_outlier": (least_squares_outlier, 1e-3, 300)}
@@ -167,7 +172,18 @@ def main() -> None:
       rows[label] = dict(ratios=ratios)
       print(f"{label:36s} {np.mean(ratios):10.2f} {min(ratios):6.2f}-{max(ratios):<6.2f}",
             flush=True)
-    results["problems"][problem] = dict(lr=lr, steps=steps, references=references, rows=rows)
+    sgd_lr = SGDM_LR[problem]
+    sgd_references = {s: train(optax.sgd(sgd_lr, momentum=0.9), *make(s), steps)[0]
+                      for s in args.seeds}
+    for label, recipe in SGDM_CONFIGS.items():
+      ratios = [train(optax4bit.sgdm_4bit(sgd_lr, momentum=0.9, recipe=recipe,
+                                          min_quantize_size=0), *make(seed), steps)[0]
+                / sgd_references[seed] for seed in args.seeds]
+      rows[label] = dict(ratios=ratios)
+      print(f"{label:36s} {np.mean(ratios):10.2f} {min(ratios):6.2f}-{max(ratios):<6.2f}"
+            "  (vs optax.sgd, momentum 0.9)", flush=True)
+    results["problems"][problem] = dict(lr=lr, steps=steps, references=references,
+                                        sgd_references=sgd_references, rows=rows)
   os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
   with open(RESULTS, "w") as f:
     json.dump(results, f, indent=1)
