@@ -45,6 +45,7 @@ from optax4bit import sharding as _sharding
 from optax4bit.cpu import ffi as _cpu_ffi
 from optax4bit.pallas import _engine
 from optax4bit.pallas.optim import STEPS, adam_coefficients, momentum_coefficients
+from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray
 
 __all__ = ["IMPLEMENTATIONS", "PallasConfig", "FusedSteps", "check_implementation",
@@ -193,14 +194,16 @@ class FusedSteps:
         lambda local_shape: _covers(local_shape, moments, self.options), keys)
 
   def _local(self, kind, grad, moments, side, keys, reduce_scales, consts):
-    del keys
     (coef,) = consts
     shape = tuple(grad.shape)
+    # The seeds the jnp reference derives from the same keys (`_leafwise._uniform`).
+    seeds = [maps.rounding_seed(k) if m.spec.stochastic and k is not None else None
+             for m, k in zip(moments, keys)]
     (update,), new = _engine.run(
         STEPS[kind], shape=shape, coef=coef, dense_in=[grad], old=moments,
         side=_side_inputs(kind, shape, side), dense_out=[grad.dtype],
         new=[(m.spec, m.dtype) for m in moments], alias=range(len(moments)),
-        options=self.options, reduce_scales=reduce_scales)
+        seeds=seeds, options=self.options, reduce_scales=reduce_scales)
     return update, new
 
 
