@@ -256,8 +256,12 @@ def test_half_precision_grads(dtype):
   _teacher_forced("adam", {"a": SHAPES["a"]}, dtype=dtype, steps=10, config=INTERPRET_ROWS)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("variant", ["adamw_4bit", "adamw_4bit_factor", "sgdm_4bit"])
+@pytest.mark.parametrize("variant,dtype", [
+    ("adamw_4bit", jnp.float32), ("adamw_4bit", jnp.bfloat16),
+    ("adamw_4bit_factor", jnp.float32),
+    pytest.param("adamw_4bit_factor", jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param("sgdm_4bit", jnp.float32, marks=pytest.mark.slow),
+    ("sgdm_4bit", jnp.bfloat16)])
 def test_default_recipe_matches_jnp(variant, dtype):
   """The default recipe (stochastic B128/NF first moment, Rank-1/SqrtDE-0
   second moment) runs the kernels, and they draw the reference's numbers:
@@ -374,14 +378,36 @@ OPTIMIZERS = {
                                                   implementation="pallas"),
     "sgdm": lambda: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0, nesterov=True,
                                         implementation="pallas"),
+    "sgdm_plain": lambda: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0,
+                                              implementation="pallas"),
 }
+# Some of them with the paper's recipe (nearest rounding, DE and Linear maps).
+PAPER = {
+    "adamw": lambda: optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe="paper",
+                                          implementation="pallas"),
+    "factor": lambda: optax4bit.adamw_4bit_factor(1e-3, min_quantize_size=0, recipe="paper",
+                                                  implementation="pallas"),
+    "sgdm": lambda: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0, nesterov=True,
+                                        recipe="paper", implementation="pallas"),
+}
+
+
+def _triton_calls(exported) -> int:
+  return exported.mlir_module().count("stablehlo.custom_call @__gpu$xla.gpu.triton")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_update_lowers_for_cuda(name, dtype):
+  """Every update lowers for CUDA (the default recipe: stochastic rounding,
+  NF and SqrtDE-0 maps); it runs as many kernels as the paper's recipe,
+  which lowers too, i.e. none of its leaves falls back to the jnp path."""
   params = {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
   tx = OPTIMIZERS[name]()
   state = tx.init(params)
   exported = _export_cuda(tx.update, params, state, params)
   assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+  if name in PAPER:
+    paper = PAPER[name]()
+    assert _triton_calls(exported) == _triton_calls(
+        _export_cuda(paper.update, params, paper.init(params), params))

@@ -39,7 +39,12 @@ Numerics follow the jnp reference operation by operation: the same decode
 0.25`` with the reciprocal taken on the scale arrays (for rank-1 ``4 / min(mu)
 == max(4 / mu)``), NaN mapped to 0, and the same select-tree / closed-form
 encoders (`optax4bit.quant.maps`), so in interpret mode the quantizers
-reproduce the reference bit for bit. On the GPU,
+reproduce the reference bit for bit. Stochastic rounding takes one uint32
+seed per new moment (an input after the coefficients) and draws, for the
+element at row ``r`` and column ``c`` of the ``(R, D)`` view, the hashed
+uniform of flat index ``r * D + c`` (modulo 2**32), exactly
+`optax4bit.quant.maps.hashed_uniform`'s draw for that element, whatever the
+tiling; its encoder is `maps.encode_stochastic` operation by operation. On the GPU,
 divisions and square roots use correctly rounded PTX (``div.rn.f32``,
 ``sqrt.rn.f32``; Triton's own ``/`` is the approximate ``div.full.f32``).
 """

@@ -18,11 +18,16 @@ Every optimizer of the library takes ``implementation=``:
   backend (slow; for tests).
 * a `PallasConfig`: interpret mode and tiling options.
 
-The choice is made when the update is traced. Leaves the kernels do not cover
-run the jnp reference: leaves kept in float32, 8-bit or stochastically
-rounded quantizers, blocks of one element, and a block-wise moment whose
-blocks are smaller than another block-wise moment's of the same leaf (with
-the default quantizers every quantized leaf is covered).
+The choice is made when the update is traced. The kernels cover every 4-bit
+quantizer (maps ``DE``, ``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``; nearest
+and stochastic rounding), so both the default and the paper recipe run them
+on every quantized leaf. Stochastic rounding draws the jnp reference's
+numbers: each moment's PRNG key becomes a uint32 seed
+(`optax4bit.quant.maps.rounding_seed`) and the kernel hashes each element's
+flat index in the (local) leaf (`optax4bit.quant.maps.hashed_uniform`).
+Leaves the kernels do not cover run the jnp reference: leaves kept in
+float32, 8-bit quantizers, blocks of one element, and a block-wise moment
+whose blocks are smaller than another block-wise moment's of the same leaf.
 
 Sharded leaves (see `optax4bit.sharding`) run the kernels per shard under
 ``jax.shard_map``, exactly like the jnp reference does: block-wise scales
