@@ -38,7 +38,7 @@ import optax4bit
 from conftest import near_midpoint
 from optax4bit import pallas
 from optax4bit.pallas import PallasConfig
-from optax4bit.quant import normalize
+from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 
 INTERPRET = PallasConfig(interpret=True, tile_bytes=64)  # small tiles: many programs
@@ -71,21 +71,51 @@ def _adam_moments(g, old):
   return ((1 - B1) * g + B1 * m, (1 - B2) * g * g + B2 * v)
 
 
+# The scale_by_* builders and aliases default to the "default" recipe (first
+# moment B128/NF with stochastic rounding, second moment Rank-1/SqrtDE-0);
+# "*_paper" variants run the paper's (B128/DE, Rank-1/Linear, nearest).
 VARIANTS = {
     "adam": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2), _adam_moments),
+    "adam_paper": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2, recipe="paper"),
+                   _adam_moments),
     "adam_nesterov": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2, nesterov=True),
                       _adam_moments),
     "adam_b128_v": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2,
                                       second_moment="B128/Linear"), _adam_moments),
     "factor": (functools.partial(optax4bit.scale_by_factored_adam_4bit, B1, B2),
                lambda g, old: ((1 - B1) * g + B1 * old[0],)),
+    "factor_paper": (functools.partial(optax4bit.scale_by_factored_adam_4bit, B1, B2,
+                                       recipe="paper"),
+                     lambda g, old: ((1 - B1) * g + B1 * old[0],)),
     "sgdm": (functools.partial(optax4bit.scale_by_momentum_4bit, MOMENTUM, True),
              lambda g, old: (g + MOMENTUM * old[0],)),
+    "sgdm_paper": (functools.partial(optax4bit.scale_by_momentum_4bit, MOMENTUM, True,
+                                     recipe="paper"),
+                   lambda g, old: (g + MOMENTUM * old[0],)),
+    # Whole alias chains (weight decay, learning rate) with their defaults:
+    # the moments are the same functions of the gradient as above.
+    "adamw_4bit": (functools.partial(optax4bit.adamw_4bit, 1e-2, B1, B2, weight_decay=1e-2),
+                   _adam_moments),
+    "adamw_4bit_factor": (functools.partial(optax4bit.adamw_4bit_factor, 1e-2, B1, B2,
+                                            weight_decay=1e-2),
+                          lambda g, old: ((1 - B1) * g + B1 * old[0],)),
+    "sgdm_4bit": (functools.partial(optax4bit.sgdm_4bit, 1e-2, MOMENTUM),
+                  lambda g, old: (g + MOMENTUM * old[0],)),
 }
 
 
+def _inner(state):
+  """The scale_by_* state (with a step ``count``) of a chain's state."""
+  def has_count(s):  # a NamedTuple with a count field (tuples have a count method)
+    return "count" in getattr(s, "_fields", ())
+
+  return state if has_count(state) else next(s for s in state if has_count(s))
+
+
 def _moments(state):
-  """The quantized moments of a scale_by_* state, per params key."""
+  """The quantized moments of a scale_by_* (or alias chain) state, per params
+  key, in the order of their rounding keys (``mu`` first)."""
+  state = _inner(state)
   fields = [f for f in ("mu", "nu", "trace") if hasattr(state, f)]
   return {k: tuple(getattr(state, f)[k] for f in fields
                    if isinstance(getattr(state, f)[k], QuantizedArray))
@@ -101,8 +131,26 @@ def _ulps_of_max(a, b, dtype) -> float:
   return float(np.max(np.abs(a - b)) / (scale * float(jnp.finfo(dtype).eps)))
 
 
-def _check_codes(new_ref: QuantizedArray, new_pal: QuantizedArray, value64: np.ndarray):
-  """Codes equal except at ties of the float64 new moment."""
+def _near_stochastic_tie(n64, table, uniform, ulps: float = 8.0) -> np.ndarray:
+  """Whether float64 ``n64`` lies within ``ulps`` float32 ulps of a point where
+  stochastic rounding with draw ``uniform`` changes its code: between entries
+  ``T[k]`` and ``T[k + 1]`` the code goes from ``k`` to ``k + 1`` where
+  ``(n - T[k]) / (T[k + 1] - T[k])`` passes ``uniform``. The ulps are those of
+  the larger of ``|n|`` and the two entries (the float32 round-up
+  probability is exact to a few ulps of ``T[k + 1] - T[k]``)."""
+  t = np.asarray(table, np.float64)
+  n64 = np.asarray(n64, np.float64)[..., None]
+  u = np.asarray(uniform, np.float64)[..., None]
+  flips = t[:-1] + u * (t[1:] - t[:-1])
+  size = np.maximum(np.abs(n64), np.maximum(np.abs(t[:-1]), np.abs(t[1:])))
+  close = np.abs(n64 - flips) <= ulps * np.finfo(np.float32).eps * size
+  return close.any(axis=-1)
+
+
+def _check_codes(new_ref: QuantizedArray, new_pal: QuantizedArray, value64: np.ndarray,
+                 uniform=None):
+  """Codes equal except at ties of the float64 new moment (for stochastic
+  rounding: where its draw ``uniform`` equals the round-up probability)."""
   codes_ref = np.asarray(optax4bit.quant.array.packing.unpack(new_ref.codes, new_ref.shape[-1], 4))
   codes_pal = np.asarray(optax4bit.quant.array.packing.unpack(new_pal.codes, new_pal.shape[-1], 4))
   differ = codes_ref != codes_pal
@@ -111,10 +159,26 @@ def _check_codes(new_ref: QuantizedArray, new_pal: QuantizedArray, value64: np.n
                        np.float64)
     n64 = np.where(scale > 0, value64 / np.where(scale > 0, scale, 1), 0)
     table = optax4bit.qmap(new_ref.spec.mapping, 4, new_ref.spec.signed)
-    assert near_midpoint(n64, table, ulps=8)[differ].all(), (
-        f"{int(differ.sum())} codes differ away from rounding ties")
+    if new_ref.spec.stochastic:
+      tie = _near_stochastic_tie(n64, table, uniform)
+    elif new_ref.spec.mapping == "SqrtDE-0":  # nearest entry of sqrt(n) in DE-0
+      tie = near_midpoint(np.sqrt(np.maximum(n64, 0)), optax4bit.qmap("DE-0"), ulps=8)
+    else:
+      tie = near_midpoint(n64, table, ulps=8)
+    assert tie[differ].all(), f"{int(differ.sum())} codes differ away from rounding ties"
   for a, b in zip(new_ref.scales, new_pal.scales):
     assert _ulps_of_max(a, b, jnp.float32) <= 2.0
+
+
+def _rounding_uniforms(state, params) -> dict:
+  """Per params key, the draws of stochastic rounding of each moment in the
+  update that follows ``state`` (the optimizers' default ``seed=0``), as
+  `optax4bit.transform` keys them and `optax4bit.quant.maps` draws them."""
+  count_inc = optax.safe_increment(_inner(state).count)
+  keys = sorted(params)
+  leaf_keys = optax4bit.transform._leaf_keys(0, count_inc, len(keys), 2, True)  # pylint: disable=protected-access
+  return {k: [maps.hashed_uniform(maps.rounding_seed(key), params[k].shape)
+              for key in leaf_keys[n]] for n, k in enumerate(keys)}
 
 
 def _teacher_forced(variant: str, shapes, dtype=jnp.float32, steps: int = 50,
@@ -128,12 +192,13 @@ def _teacher_forced(variant: str, shapes, dtype=jnp.float32, steps: int = 50,
   @jax.jit
   def both(state, i):
     grads = _grads(params, i)
-    return grads, tx_ref.update(grads, state), tx_pal.update(grads, state)
+    return grads, tx_ref.update(grads, state, params), tx_pal.update(grads, state, params)
 
   state = tx_ref.init(params)
   worst_update = 0.0
   for i in range(steps):
     old = _moments(state)
+    uniforms = _rounding_uniforms(state, params)
     grads, (u_ref, s_ref), (u_pal, s_pal) = both(state, i)
     jax.tree.map(lambda a, b: np.testing.assert_equal((a.shape, a.dtype), (b.shape, b.dtype)),
                  s_ref, s_pal)
@@ -142,8 +207,9 @@ def _teacher_forced(variant: str, shapes, dtype=jnp.float32, steps: int = 50,
       g64 = np.asarray(grads[k], np.float64)
       old64 = [np.asarray(optax4bit.dequantize(q), np.float64) for q in old[k]]
       values = new_moments(g64, old64)
-      for ref, pal, value in zip(_moments(s_ref)[k], _moments(s_pal)[k], values):
-        _check_codes(ref, pal, value)
+      for ref, pal, value, u in zip(_moments(s_ref)[k], _moments(s_pal)[k], values,
+                                    uniforms[k]):
+        _check_codes(ref, pal, value, u)
     state = s_ref
   limit = 4.0 if dtype == jnp.float32 else 1.0
   assert worst_update <= limit, worst_update
@@ -180,7 +246,7 @@ def test_adamw_free_running_50_steps():
       assert np.mean(np.asarray(a) != np.asarray(b)) < 1e-3
 
 
-@pytest.mark.parametrize("variant", ["adam_b128_v", "factor", "sgdm"])
+@pytest.mark.parametrize("variant", ["adam_b128_v", "factor", "sgdm", "adam_paper"])
 def test_variants_teacher_forced(variant):
   _teacher_forced(variant, {"a": SHAPES["a"]}, steps=10, config=INTERPRET_ROWS)
 
@@ -190,8 +256,30 @@ def test_half_precision_grads(dtype):
   _teacher_forced("adam", {"a": SHAPES["a"]}, dtype=dtype, steps=10, config=INTERPRET_ROWS)
 
 
+@pytest.mark.parametrize("variant,dtype", [
+    ("adamw_4bit", jnp.float32), ("adamw_4bit", jnp.bfloat16),
+    ("adamw_4bit_factor", jnp.float32),
+    pytest.param("adamw_4bit_factor", jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param("sgdm_4bit", jnp.float32, marks=pytest.mark.slow),
+    ("sgdm_4bit", jnp.bfloat16)])
+def test_default_recipe_matches_jnp(variant, dtype):
+  """The default recipe (stochastic B128/NF first moment, Rank-1/SqrtDE-0
+  second moment) runs the kernels, and they draw the reference's numbers:
+  codes, scales and updates as in the other equality tests, on a ragged 2-D
+  and a 1-D leaf (whose second moment falls back to B128/SqrtDE-0)."""
+  shapes = {"a": SHAPES["a"], "v": SHAPES["v"]}
+  make, _ = VARIANTS[variant]
+  tx = make(min_quantize_size=0, implementation=INTERPRET_ROWS)
+  params = _params(shapes, dtype)
+  # One call per leaf, plus the second pass of the rank-1 second moment of
+  # adamw_4bit's 2-D leaf (Factor's is factored).
+  assert _count_pallas_calls(tx, params) == (3 if variant == "adamw_4bit" else 2)
+  _teacher_forced(variant, shapes, dtype=dtype, steps=3, config=INTERPRET_ROWS)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["adam_nesterov", "adam_b128_v", "factor", "sgdm"])
+@pytest.mark.parametrize("variant", ["adam_nesterov", "adam_b128_v", "factor", "sgdm",
+                                     "adam_paper", "factor_paper", "sgdm_paper"])
 def test_variants_teacher_forced_50_steps(variant):
   _teacher_forced(variant, SHAPES)
 
@@ -233,15 +321,20 @@ def test_dispatch_covers_quantized_leaves_only():
                                                   implementation="jnp"), params) == 0
   if jax.default_backend() != "gpu":
     assert _count_pallas_calls(optax4bit.adamw_4bit(1e-3, min_quantize_size=64), params) == 0
-  # 8-bit and stochastic rounding have no kernel: the jnp reference runs.
+  # 8-bit has no kernel: the jnp reference runs.
   assert _count_pallas_calls(optax4bit.adamw_8bit(1e-3, min_quantize_size=64,
                                                   implementation="pallas_interpret"), params) == 0
+  # Stochastic rounding (the default first moment) and every 4-bit map have kernels.
   stochastic = optax4bit.QuantSpec.parse("B128/DE", stochastic=True)
-  assert _count_pallas_calls(optax4bit.adamw_4bit(1e-3, min_quantize_size=64,
-                                                  first_moment=stochastic,
-                                                  implementation="pallas_interpret"), params) == 0
+  for kwargs in ({"first_moment": stochastic}, {"recipe": "paper"},
+                 {"second_moment": optax4bit.QuantSpec.parse("Rank-1/SqrtDE-0", stochastic=True)}):
+    assert _count_pallas_calls(optax4bit.adamw_4bit(1e-3, min_quantize_size=64,
+                                                    implementation="pallas_interpret", **kwargs),
+                               params) == 3, kwargs
   assert _count_pallas_calls(optax4bit.sgdm_4bit(1e-3, min_quantize_size=64,
                                                  implementation="pallas_interpret"), params) == 2
+  assert _count_pallas_calls(optax4bit.adamw_4bit_factor(
+      1e-3, min_quantize_size=64, implementation="pallas_interpret"), params) == 2
 
 
 def test_inject_hyperparams_keeps_pallas():
@@ -285,14 +378,36 @@ OPTIMIZERS = {
                                                   implementation="pallas"),
     "sgdm": lambda: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0, nesterov=True,
                                         implementation="pallas"),
+    "sgdm_plain": lambda: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0,
+                                              implementation="pallas"),
 }
+# Some of them with the paper's recipe (nearest rounding, DE and Linear maps).
+PAPER = {
+    "adamw": lambda: optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe="paper",
+                                          implementation="pallas"),
+    "factor": lambda: optax4bit.adamw_4bit_factor(1e-3, min_quantize_size=0, recipe="paper",
+                                                  implementation="pallas"),
+    "sgdm": lambda: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0, nesterov=True,
+                                        recipe="paper", implementation="pallas"),
+}
+
+
+def _triton_calls(exported) -> int:
+  return exported.mlir_module().count("stablehlo.custom_call @__gpu$xla.gpu.triton")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_update_lowers_for_cuda(name, dtype):
+  """Every update lowers for CUDA (the default recipe: stochastic rounding,
+  NF and SqrtDE-0 maps); it runs as many kernels as the paper's recipe,
+  which lowers too, i.e. none of its leaves falls back to the jnp path."""
   params = {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
   tx = OPTIMIZERS[name]()
   state = tx.init(params)
   exported = _export_cuda(tx.update, params, state, params)
   assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+  if name in PAPER:
+    paper = PAPER[name]()
+    assert _triton_calls(exported) == _triton_calls(
+        _export_cuda(paper.update, params, paper.init(params), params))

@@ -25,8 +25,9 @@ from optax4bit.quant.spec import QuantSpec, as_spec
 TILE = 64
 
 
-def _spec(name: str) -> QuantSpec:
-  return as_spec(name, signed=None if name.endswith("/DE") else False)
+def _spec(name: str, stochastic: bool = False) -> QuantSpec:
+  spec = as_spec(name, signed=None if name.endswith(("/DE", "/NF")) else False)
+  return QuantSpec.parse(name, signed=spec.signed, stochastic=True) if stochastic else spec
 
 
 def _data(shape, dtype, signed, seed=0):
@@ -55,6 +56,24 @@ CASES = [
     ((3, 5, 70), "Rank-1/DE-0"),
     ((6, 33), "Tensor/Linear"),
     ((4, 300), "B256/DE"),
+    # The default recipe's maps (nearest rounding here; stochastic below).
+    ((5, 301), "B128/NF"),
+    ((3, 5, 70), "Rank-1/SqrtDE-0"),
+    pytest.param((257,), "Rank-1/SqrtDE-0", marks=pytest.mark.slow),
+]
+
+KEY = jax.random.key(7)
+
+# Stochastic rounding: local blocks (one pass), blocks of several short rows
+# (two passes), rank-1 (2-D, 3-D and 1-D) and tensor scales (two passes).
+STOCHASTIC_CASES = [
+    ((5, 301), "B128/NF"),
+    ((3, 4, 20), "B128/NF"),
+    pytest.param((4, 300), "B256/DE", marks=pytest.mark.slow),
+    ((5, 301), "Rank-1/SqrtDE-0"),
+    pytest.param((3, 5, 70), "Rank-1/DE-0", marks=pytest.mark.slow),
+    pytest.param((257,), "Rank-1/SqrtDE-0", marks=pytest.mark.slow),
+    pytest.param((6, 33), "Tensor/Linear", marks=pytest.mark.slow),
 ]
 
 
@@ -64,6 +83,55 @@ def test_quantize_matches_reference(shape, name):
   x = _data(shape, jnp.float32, spec.signed)
   q = jax.jit(lambda x: pallas.quantize(x, spec, interpret=True, tile_bytes=TILE))(x)
   _assert_same(q, optax4bit.quantize(x, spec))
+
+
+@pytest.mark.parametrize("shape,name", STOCHASTIC_CASES)
+def test_quantize_stochastic_matches_reference(shape, name):
+  """The kernels draw `maps.hashed_uniform`'s numbers for each element: the
+  same codes as `optax4bit.quantize` with the same key, bit for bit."""
+  spec = _spec(name, stochastic=True)
+  x = _data(shape, jnp.float32, spec.signed)
+  q = jax.jit(lambda x, k: pallas.quantize(x, spec, key=k, interpret=True,
+                                           tile_bytes=TILE))(x, KEY)
+  ref = optax4bit.quantize(x, spec, key=KEY)
+  _assert_same(q, ref)
+  # The draws matter: another key gives other codes.
+  assert (q.codes != optax4bit.quantize(x, spec, key=jax.random.key(8)).codes).any()
+
+
+def test_quantize_stochastic_multi_row_tiles_and_edge_values():
+  """Tiles of 4 rows; zero rows, non-finite values, values on table entries
+  (round-up probability 0) and bfloat16 input."""
+  x = np.array(_data((5, 301), jnp.float32, True))
+  x[1] = 0.0
+  x[2, 3], x[2, 200], x[3, 7] = np.inf, -np.inf, np.nan
+  x[4, :16] = optax4bit.qmap("NF") * np.abs(x[4]).max()
+  for name in ("B128/NF", "Rank-1/SqrtDE-0"):
+    spec = _spec(name, stochastic=True)
+    for dtype in (jnp.float32, jnp.bfloat16):
+      xs = jnp.asarray(x if spec.signed else np.abs(x), dtype)
+      _assert_same(pallas.quantize(xs, spec, key=KEY, interpret=True, tile_bytes=256),
+                   optax4bit.quantize(xs, spec, key=KEY))
+
+
+def test_kernel_stochastic_encoder_matches_maps():
+  """The kernels' copy of `maps.encode_stochastic` and `maps.hashed_uniform`
+  (written for a correctly rounded GPU division) against the originals."""
+  seed = optax4bit.quant.maps.rounding_seed(KEY)
+  u = optax4bit.quant.maps.hashed_uniform(seed, (7, 300), 3)
+  index = (3 * 300 + jnp.arange(7 * 300, dtype=jnp.uint32)).reshape(7, 300)
+  np.testing.assert_array_equal(np.asarray(_engine.hashed_uniform(seed, index)), np.asarray(u))
+  rng = np.random.RandomState(0)
+  for name in ("B128/NF", "Rank-1/SqrtDE-0", "B128/DE", "Rank-1/Linear"):
+    spec = _spec(name, stochastic=True)
+    table = optax4bit.qmap(spec.mapping, 4, spec.signed)
+    n = rng.uniform(-1.2 if spec.signed else -0.1, 1.2, (7, 300)).astype(np.float32)
+    n[0, :16] = table  # exactly on entries
+    n[1, :16] = np.nextafter(table, np.float32(2))
+    n = jnp.asarray(n)
+    np.testing.assert_array_equal(
+        np.asarray(_engine.encode_stochastic(n, u, spec)),
+        np.asarray(optax4bit.quant.maps.encode_stochastic(n, u, spec.mapping, 4, spec.signed)))
 
 
 @pytest.mark.parametrize("name", ["B128/DE", "Rank-1/Linear"])
@@ -108,10 +176,11 @@ def test_quantize_extreme_scales():
 
 
 @pytest.mark.parametrize("shape,name", [((5, 301), "B128/DE"), ((3, 4, 20), "B128/DE"),
-                                        ((3, 5, 70), "Rank-1/Linear"), ((257,), "Rank-1/DE-0")])
+                                        ((3, 5, 70), "Rank-1/Linear"), ((257,), "Rank-1/DE-0"),
+                                        ((5, 301), "B128/NF"), ((3, 5, 70), "Rank-1/SqrtDE-0")])
 def test_dequantize_matches_reference(shape, name):
-  spec = _spec(name)
-  q = optax4bit.quantize(_data(shape, jnp.float32, spec.signed), spec)
+  spec = _spec(name, stochastic=name.endswith("/NF"))  # as the default recipe stores it
+  q = optax4bit.quantize(_data(shape, jnp.float32, spec.signed), spec, key=KEY)
   for dtype in (jnp.float32, jnp.bfloat16):
     out = pallas.dequantize(q, dtype, interpret=True, tile_bytes=TILE)
     assert out.dtype == dtype and out.shape == shape
@@ -123,7 +192,7 @@ def test_unsupported_specs_raise():
   with pytest.raises(ValueError, match="4-bit only"):
     pallas.quantize(x, QuantSpec("block", "DE", bits=8, signed=True, block_size=256),
                     interpret=True)
-  with pytest.raises(ValueError, match="stochastic"):
+  with pytest.raises(ValueError, match="stochastic.*key"):  # as optax4bit.quantize
     pallas.quantize(x, QuantSpec.parse("B128/DE", stochastic=True), interpret=True)
   with pytest.raises(ValueError, match="floating-point"):
     pallas.quantize(jnp.ones((4, 4), jnp.int32), "B128/DE", interpret=True)
@@ -167,15 +236,27 @@ def _triton_calls(exported) -> int:
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name,passes", [("B128/DE", 1), ("Rank-1/Linear", 2),
-                                         ("B2048/DE", 2), ("Tensor/Linear", 2)])
+                                         ("B2048/DE", 2), ("Tensor/Linear", 2),
+                                         ("B128/NF", 1), ("Rank-1/SqrtDE-0", 2)])
 def test_quantize_lowers_for_cuda(name, passes, dtype):
   x = jnp.zeros((5, 301), dtype)
-  exported = export_cuda(lambda x: pallas.quantize(x, name), x)
+  exported = export_cuda(lambda x: pallas.quantize(x, _spec(name)), x)
+  assert _triton_calls(exported) == passes
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name,passes", [("B128/NF", 1), ("Rank-1/SqrtDE-0", 2),
+                                         ("B2048/DE", 2)])
+def test_quantize_stochastic_lowers_for_cuda(name, passes, dtype):
+  x = jnp.zeros((5, 301), dtype)
+  spec = _spec(name, stochastic=True)
+  exported = export_cuda(lambda x, k: pallas.quantize(x, spec, key=k), x, KEY)
   assert _triton_calls(exported) == passes
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_dequantize_lowers_for_cuda(dtype):
-  for shape, name in [((5, 301), "B128/DE"), ((3, 4, 20), "B128/DE"), ((5, 301), "Rank-1/Linear")]:
+  for shape, name in [((5, 301), "B128/DE"), ((3, 4, 20), "B128/DE"), ((5, 301), "Rank-1/Linear"),
+                      ((5, 301), "B128/NF"), ((5, 301), "Rank-1/SqrtDE-0")]:
     q = optax4bit.quantize(jnp.ones(shape), _spec(name))
     assert _triton_calls(export_cuda(lambda q: pallas.dequantize(q, dtype), q)) == 1

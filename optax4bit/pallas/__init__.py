@@ -1,7 +1,9 @@
 """Fused Pallas GPU kernels (Triton lowering) for the 4-bit optimizers.
 
 * `quantize` / `dequantize`: standalone block-wise, rank-1 and tensor
-  quantizer kernels, equal to `optax4bit.quantize` / `optax4bit.dequantize`.
+  quantizer kernels, equal to `optax4bit.quantize` / `optax4bit.dequantize`,
+  for every 4-bit map and both roundings (stochastic rounding draws the same
+  hashed uniforms as the jnp reference, from the same key).
 * Fused optimizer steps (`optax4bit.pallas.optim`): one kernel per leaf reads
   the gradient and the packed moments and writes the update and the
   re-quantized moments; a second pass encodes moments with rank-1 scales.
@@ -9,8 +11,9 @@
   ``implementation="auto" | "jnp" | "pallas" | "pallas_interpret"`` or a
   `PallasConfig`.
 
-The jnp implementation is the reference; in interpret mode the kernels
-reproduce it bit for bit (see `optax4bit.pallas._engine` for the design and
+The jnp implementation is the reference; in interpret mode the quantizer
+kernels reproduce it bit for bit, and the fused steps up to the float32
+contractions XLA chooses (see `optax4bit.pallas._engine` for the design and
 for how GPU numerics can differ).
 """
 

@@ -39,7 +39,12 @@ Numerics follow the jnp reference operation by operation: the same decode
 0.25`` with the reciprocal taken on the scale arrays (for rank-1 ``4 / min(mu)
 == max(4 / mu)``), NaN mapped to 0, and the same select-tree / closed-form
 encoders (`optax4bit.quant.maps`), so in interpret mode the quantizers
-reproduce the reference bit for bit. On the GPU,
+reproduce the reference bit for bit. Stochastic rounding takes one uint32
+seed per new moment (an input after the coefficients) and draws, for the
+element at row ``r`` and column ``c`` of the ``(R, D)`` view, the hashed
+uniform of flat index ``r * D + c`` (modulo 2**32), exactly
+`optax4bit.quant.maps.hashed_uniform`'s draw for that element, whatever the
+tiling; its encoder is `maps.encode_stochastic` operation by operation. On the GPU,
 divisions and square roots use correctly rounded PTX (``div.rn.f32``,
 ``sqrt.rn.f32``; Triton's own ``/`` is the approximate ``div.full.f32``).
 """
@@ -93,9 +98,6 @@ def check_spec(spec: QuantSpec) -> None:
   """Raises `Unsupported` for quantizers without a kernel."""
   if spec.bits != 4:
     raise Unsupported(f"{spec}: the Pallas kernels are 4-bit only.")
-  if spec.stochastic:
-    raise Unsupported(f"{spec}: stochastic rounding has no Pallas kernel (its random draws "
-                      "are those of the jnp reference).")
   if spec.normalization == "block" and spec.block_size < 2:
     raise Unsupported(f"{spec}: blocks of one element have no Pallas kernel.")
 
@@ -367,11 +369,33 @@ def _finite_abs(x, mask):
   return jnp.where(mask & jnp.isfinite(x), jnp.abs(x), np.float32(0))
 
 
-def _encode(x, inverse_times_4, spec: QuantSpec):
+def hashed_uniform(seed, index):
+  """`optax4bit.quant.maps.hashed_uniform` of uint32 element indices (flat
+  indices in the leaf, modulo 2**32) under a uint32 ``seed``."""
+  bits = maps.mix32(index ^ seed)
+  return (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+
+
+def encode_stochastic(n, uniform, spec: QuantSpec, div=jnp.divide):
+  """`optax4bit.quant.maps.encode_stochastic`, operation by operation, with
+  the division taken by ``div`` (correctly rounded on the GPU)."""
+  table = maps.qmap(spec.mapping, spec.bits, spec.signed)
+  n = jnp.clip(n, table[0], table[-1])
+  lower = maps.count_above(n, table[1:], inclusive=True)  # largest k with table[k] <= n
+  upper = jnp.minimum(lower + 1, table.size - 1)
+  low_value = maps.decode(lower, spec.mapping, spec.bits, spec.signed)
+  gap = maps.decode(upper, spec.mapping, spec.bits, spec.signed) - low_value
+  round_up_probability = jnp.where(gap > 0, div(n - low_value, jnp.where(gap > 0, gap, 1)), 0)
+  return lower + (uniform < round_up_probability).astype(jnp.int32)
+
+
+def _encode(x, inverse_times_4, spec: QuantSpec, uniform=None, div=jnp.divide):
   """Codes of ``x`` given ``4 / scale`` (`normalize.normalize`, then the
-  table's encoder)."""
+  table's encoder; ``uniform``: the draws of stochastic rounding)."""
   n = (x * inverse_times_4) * np.float32(0.25)
   n = jnp.where(jnp.isnan(n), np.float32(0), n)
+  if spec.stochastic:
+    return encode_stochastic(n, uniform, spec, div).astype(jnp.int32)
   return maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed).astype(jnp.int32)
 
 
@@ -383,6 +407,7 @@ def _pack(code_even, code_odd, valid_odd):
 class _Plan:
   geo: Geometry
   num_coef: int
+  seeded: bool        # a uint32 seed per new moment follows the coefficients
   dense_in: int
   old: tuple          # Formats of the old (decoded) moments
   side: tuple         # SideInputs
@@ -395,6 +420,7 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
   geo = plan.geo
   it = iter(refs)
   coef_ref = next(it) if plan.num_coef else None
+  seed_ref = next(it) if plan.seeded else None
   dense_refs = [next(it) for _ in range(plan.dense_in)]
   old_refs = []
   for fmt, read in zip(plan.old, plan.old_read):
@@ -422,6 +448,15 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
   valids = (valid, valid & (cols[1] < geo.cols))
   kmath = KernelMath(triton)
   coef = tuple(coef_ref[k] for k in range(plan.num_coef))
+
+  def uniforms(k: int, fmt: Format):
+    """Stochastic rounding's draws for new moment ``k`` (even, odd halves):
+    hashed flat element indices ``row * D + column`` of the leaf."""
+    if not fmt.spec.stochastic:
+      return None, None
+    seed = seed_ref[k]
+    row_index = row.astype(jnp.uint32) * np.uint32(geo.cols % 2**32)
+    return tuple(hashed_uniform(seed, row_index + c.astype(jnp.uint32)) for c in cols)
 
   def row_index(fmt: Format):
     """Flat index of the group scale of each row (group formats)."""
@@ -487,7 +522,8 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
       if fmt.local:
         codes_ref, scales_ref = next(out_it), next(out_it)
         inverse = kmath.inverse_times_4(seg_max)[:, :, None]
-        codes = [_encode(values[h], inverse, fmt.spec) for h in range(2)]
+        uniform = uniforms(k, fmt)
+        codes = [_encode(values[h], inverse, fmt.spec, uniform[h], kmath.div) for h in range(2)]
         plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
         plgpu.store(scales_ref.at[row_2, seg_2], seg_max, mask=valid_2)
       else:
@@ -503,7 +539,9 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
     elif not fmt.local:
       codes_ref = next(out_it)
       inverse = per_element_scale(fmt, next(inv_it), jnp.maximum)
-      codes = [_encode(values[h], inverse[h], fmt.spec) for h in range(2)]
+      uniform = uniforms(k, fmt)
+      codes = [_encode(values[h], inverse[h], fmt.spec, uniform[h], kmath.div)
+               for h in range(2)]
       plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
 
 
@@ -534,7 +572,8 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
         dense_in: Sequence[jax.Array] = (), old: Sequence[QuantizedArray] = (),
         side: Sequence[tuple] = (), dense_out: Sequence[Any] = (),
         new: Sequence[tuple] = (), alias: Sequence[Optional[int]] = (),
-        options: Options = Options(), reduce_scales: Optional[Callable] = None):
+        seeds: Sequence[Optional[jax.Array]] = (), options: Options = Options(),
+        reduce_scales: Optional[Callable] = None):
   """Runs an elementwise step over one leaf with the Pallas kernels.
 
   Args:
@@ -550,6 +589,10 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     new: ``(spec, dtype)`` of the moments to encode.
     alias: per new moment, the index of the old moment whose buffers it
       overwrites (or None).
+    seeds: per new moment, the uint32 seed of its stochastic rounding
+      (`optax4bit.quant.maps.rounding_seed` of its key), or None for nearest
+      rounding. Element ``e`` (flat index in the leaf) draws
+      ``maps.hashed_uniform``'s number, so the codes are the jnp reference's.
     options: interpret mode and tiling.
     reduce_scales: cross-shard reduction of rank-1/tensor scales (see
       `scales_from_partials`).
@@ -563,10 +606,21 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
   old_fmts = tuple(moment_format(q.spec, geo) for q in old)
   new_fmts = tuple(moment_format(spec, geo) for spec, _ in new)
   alias = tuple(alias) if alias else (None,) * len(new)
-  plan = _Plan(geo, 0 if coef is None else int(coef.shape[0]), len(dense_in), old_fmts,
+  seeds = tuple(seeds) if seeds else (None,) * len(new)
+  if len(seeds) != len(new):
+    raise ValueError(f"seeds: expected one per new moment ({len(new)}), got {len(seeds)}.")
+  for (spec, _), seed in zip(new, seeds):
+    if spec.stochastic and seed is None:
+      raise ValueError(f"{spec} rounds stochastically and needs a seed.")
+  seeded = any(spec.stochastic for spec, _ in new)
+  plan = _Plan(geo, 0 if coef is None else int(coef.shape[0]), seeded, len(dense_in), old_fmts,
                tuple(s for _, s in side), tuple(jnp.dtype(d) for d in dense_out), new_fmts,
                (True,) * len(old))
   head = ([] if coef is None else [coef.astype(jnp.float32)])
+  if seeded:
+    head.append(jnp.stack([jnp.zeros((), jnp.uint32) if seed is None or not spec.stochastic
+                           else jnp.asarray(seed).astype(jnp.uint32).reshape(())
+                           for (spec, _), seed in zip(new, seeds)]))
   head += [x.reshape(geo.rows, geo.cols) for x in dense_in]
   old_ops = [decode_operands(q, f, geo) for q, f in zip(old, old_fmts)]
   side_ops = [jnp.asarray(a, jnp.float32) for a, _ in side]

@@ -18,11 +18,16 @@ Every optimizer of the library takes ``implementation=``:
   backend (slow; for tests).
 * a `PallasConfig`: interpret mode and tiling options.
 
-The choice is made when the update is traced. Leaves the kernels do not cover
-run the jnp reference: leaves kept in float32, 8-bit or stochastically
-rounded quantizers, blocks of one element, and a block-wise moment whose
-blocks are smaller than another block-wise moment's of the same leaf (with
-the default quantizers every quantized leaf is covered).
+The choice is made when the update is traced. The kernels cover every 4-bit
+quantizer (maps ``DE``, ``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``; nearest
+and stochastic rounding), so both the default and the paper recipe run them
+on every quantized leaf. Stochastic rounding draws the jnp reference's
+numbers: each moment's PRNG key becomes a uint32 seed
+(`optax4bit.quant.maps.rounding_seed`) and the kernel hashes each element's
+flat index in the (local) leaf (`optax4bit.quant.maps.hashed_uniform`).
+Leaves the kernels do not cover run the jnp reference: leaves kept in
+float32, 8-bit quantizers, blocks of one element, and a block-wise moment
+whose blocks are smaller than another block-wise moment's of the same leaf.
 
 Sharded leaves (see `optax4bit.sharding`) run the kernels per shard under
 ``jax.shard_map``, exactly like the jnp reference does: block-wise scales
@@ -45,6 +50,7 @@ from optax4bit import sharding as _sharding
 from optax4bit.cpu import ffi as _cpu_ffi
 from optax4bit.pallas import _engine
 from optax4bit.pallas.optim import STEPS, adam_coefficients, momentum_coefficients
+from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray
 
 __all__ = ["IMPLEMENTATIONS", "PallasConfig", "FusedSteps", "check_implementation",
@@ -193,14 +199,16 @@ class FusedSteps:
         lambda local_shape: _covers(local_shape, moments, self.options), keys)
 
   def _local(self, kind, grad, moments, side, keys, reduce_scales, consts):
-    del keys
     (coef,) = consts
     shape = tuple(grad.shape)
+    # The seeds the jnp reference derives from the same keys (`_leafwise._uniform`).
+    seeds = [maps.rounding_seed(k) if m.spec.stochastic and k is not None else None
+             for m, k in zip(moments, keys)]
     (update,), new = _engine.run(
         STEPS[kind], shape=shape, coef=coef, dense_in=[grad], old=moments,
         side=_side_inputs(kind, shape, side), dense_out=[grad.dtype],
         new=[(m.spec, m.dtype) for m in moments], alias=range(len(moments)),
-        options=self.options, reduce_scales=reduce_scales)
+        seeds=seeds, options=self.options, reduce_scales=reduce_scales)
     return update, new
 
 

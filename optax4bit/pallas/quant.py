@@ -3,16 +3,22 @@
 They return exactly what `optax4bit.quantize` and `optax4bit.dequantize`
 return (same codes, scales and layout), computed by the kernels of
 `optax4bit.pallas._engine`: block-wise quantization is one pass; rank-1 and
-tensor quantization are two passes (partial maxima, then encode).
+tensor quantization are two passes (partial maxima, then encode). Every 4-bit
+map (``DE``, ``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``) and both roundings
+are covered; stochastic rounding draws `optax4bit.quant.maps.hashed_uniform`'s
+numbers from the element's flat index, exactly as the jnp reference does.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from optax4bit.pallas import _engine
+from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray, _check_input
 from optax4bit.quant.spec import SpecLike, as_spec
 
@@ -29,23 +35,28 @@ def _identity_old(kmath, coef, dense, old, side):
   return (old[0],), ()
 
 
-def quantize(x: jax.Array, spec: SpecLike, *, interpret: bool = False,
+def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None,
+             interpret: bool = False,
              tile_bytes: int = _engine.DEFAULT_TILE_BYTES) -> QuantizedArray:
-  """`optax4bit.quantize` with Pallas kernels (4-bit, nearest rounding).
+  """`optax4bit.quantize` with Pallas kernels (4-bit).
 
   Args:
     x: floating-point array with ndim >= 1 (float32, bfloat16, float16).
-    spec: a `QuantSpec` or a name such as ``"B128/DE"`` or
-      ``"Rank-1/Linear"``; 4 bits, no stochastic rounding.
+    spec: a `QuantSpec` or a name such as ``"B128/DE"``, ``"B128/NF"`` or
+      ``"Rank-1/SqrtDE-0"``; 4 bits, nearest or stochastic rounding.
+    key: PRNG key, required for stochastic rounding: the kernels draw the
+      same numbers as `optax4bit.quantize` with this key
+      (`optax4bit.quant.maps.hashed_uniform`).
     interpret: run the kernels in Pallas interpret mode (on any backend).
     tile_bytes: code bytes per kernel program (two elements per byte).
 
   Returns:
-    The `QuantizedArray` that ``optax4bit.quantize(x, spec)`` returns.
+    The `QuantizedArray` that ``optax4bit.quantize(x, spec, key=key)``
+    returns.
 
   Raises:
-    ValueError: for a non-floating or empty ``x``, or a spec without a kernel
-      (8-bit, stochastic rounding, blocks of one element).
+    ValueError: for a non-floating or empty ``x``, a stochastic spec without
+      ``key``, or a spec without a kernel (8-bit, blocks of one element).
 
   Example:
     >>> import jax.numpy as jnp, optax4bit
@@ -58,9 +69,12 @@ def quantize(x: jax.Array, spec: SpecLike, *, interpret: bool = False,
   spec = as_spec(spec)
   x = _check_input(x, "x")
   _engine.check_spec(spec)
+  if spec.stochastic and key is None:
+    raise ValueError(f"spec {spec} rounds stochastically and needs a PRNG `key`.")
+  seed = maps.rounding_seed(key) if spec.stochastic else None
   options = _engine.Options(interpret=interpret, tile_bytes=tile_bytes)
   _, (q,) = _engine.run(_identity_new, shape=x.shape, dense_in=[x],
-                        new=[(spec, np.dtype(x.dtype))], options=options)
+                        new=[(spec, np.dtype(x.dtype))], seeds=[seed], options=options)
   return q
 
 
