@@ -279,18 +279,22 @@ def shard_origin() -> Optional[tuple]:
 
 
 def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts: tuple,
-              covers_shard: Callable[[tuple], bool], keys: Optional[tuple] = None):
+              covers_shard: Callable[[tuple], bool], keys: Optional[tuple] = None,
+              hashes_global_index: bool = False):
   """Runs a fused kernel's ``local_update`` (see `per_shard`) on one leaf:
   directly if the leaf is not sharded, per shard if it is. Returns None (the
   caller runs the jnp path) when the shards are uneven (the jnp path raises
   optax4bit's alignment error) or ``covers_shard(local_shape)`` is False.
-  ``keys``: one PRNG key (or None) per moment, for stochastic rounding."""
+  ``keys``: one PRNG key (or None) per moment, for stochastic rounding;
+  ``hashes_global_index``: whether the kernel hashes each element's index in
+  the global leaf (from `shard_origin`) as the jnp path does; if not, sharded
+  leaves with stochastic rounding run the jnp path."""
   keys = (None,) * len(moments) if keys is None else tuple(keys)
   sharding = leaf_sharding(grad)
   if sharding is None:
     return local_update(grad, moments, side, keys, None, consts)
-  if any(k is not None for k in keys):
-    return None  # the kernels hash local element indices; the jnp path global ones
+  if not hashes_global_index and any(k is not None for k in keys):
+    return None
   try:
     local_shape = tuple(sharding.shard_shape(tuple(grad.shape)))
   except ValueError:

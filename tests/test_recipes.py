@@ -141,6 +141,15 @@ def test_hashed_uniform_of_a_block_equals_the_whole_tensor_slice():
   np.testing.assert_array_equal(whole[3:, 5:, 8:], np.asarray(block))
 
 
+def test_row_hash_bases_index_the_whole_tensor():
+  """Kernels draw for element c of row r of a shard at bases[r] + c."""
+  full, origin, block = (6, 10, 12), (3, 5, 8), (3, 5, 4)
+  bases = np.asarray(maps.row_hash_bases(block, origin, full), np.int64)
+  flat = np.arange(np.prod(full)).reshape(full)[3:, 5:, 8:]
+  np.testing.assert_array_equal(bases[:, None] + np.arange(4), flat.reshape(-1, 4))
+  np.testing.assert_array_equal(np.asarray(maps.row_hash_bases((7,), (21,), (40,))), [21])
+
+
 @pytest.mark.parametrize("name", ["B128/NF", "B128/DE", "Rank-1/SqrtDE-0"])
 def test_hashed_stochastic_rounding_is_unbiased(name):
   spec = QuantSpec.parse(name, stochastic=True)

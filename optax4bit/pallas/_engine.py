@@ -42,7 +42,8 @@ encoders (`optax4bit.quant.maps`), so in interpret mode the quantizers
 reproduce the reference bit for bit. Stochastic rounding takes one uint32
 seed per new moment (an input after the coefficients) and draws, for the
 element at row ``r`` and column ``c`` of the ``(R, D)`` view, the hashed
-uniform of flat index ``r * D + c`` (modulo 2**32), exactly
+uniform of flat index ``r * D + c`` (modulo 2**32; for a shard, ``base[r] +
+c`` with the row's index in the whole leaf as an input), exactly
 `optax4bit.quant.maps.hashed_uniform`'s draw for that element, whatever the
 tiling; its encoder is `maps.encode_stochastic` operation by operation. On the GPU,
 divisions and square roots use correctly rounded PTX (``div.rn.f32``,
@@ -408,6 +409,7 @@ class _Plan:
   geo: Geometry
   num_coef: int
   seeded: bool        # a uint32 seed per new moment follows the coefficients
+  row_based: bool     # then the uint32 hash index of each row's first element
   dense_in: int
   old: tuple          # Formats of the old (decoded) moments
   side: tuple         # SideInputs
@@ -421,6 +423,7 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
   it = iter(refs)
   coef_ref = next(it) if plan.num_coef else None
   seed_ref = next(it) if plan.seeded else None
+  base_ref = next(it) if plan.row_based else None
   dense_refs = [next(it) for _ in range(plan.dense_in)]
   old_refs = []
   for fmt, read in zip(plan.old, plan.old_read):
@@ -455,7 +458,10 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
     if not fmt.spec.stochastic:
       return None, None
     seed = seed_ref[k]
-    row_index = row.astype(jnp.uint32) * np.uint32(geo.cols % 2**32)
+    if base_ref is not None:  # a shard of a larger leaf
+      row_index = _load(base_ref, row_1, valid_row)
+    else:
+      row_index = row.astype(jnp.uint32) * np.uint32(geo.cols % 2**32)
     return tuple(hashed_uniform(seed, row_index + c.astype(jnp.uint32)) for c in cols)
 
   def row_index(fmt: Format):
@@ -572,8 +578,8 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
         dense_in: Sequence[jax.Array] = (), old: Sequence[QuantizedArray] = (),
         side: Sequence[tuple] = (), dense_out: Sequence[Any] = (),
         new: Sequence[tuple] = (), alias: Sequence[Optional[int]] = (),
-        seeds: Sequence[Optional[jax.Array]] = (), options: Options = Options(),
-        reduce_scales: Optional[Callable] = None):
+        seeds: Sequence[Optional[jax.Array]] = (), row_bases: Optional[jax.Array] = None,
+        options: Options = Options(), reduce_scales: Optional[Callable] = None):
   """Runs an elementwise step over one leaf with the Pallas kernels.
 
   Args:
@@ -593,6 +599,9 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
       (`optax4bit.quant.maps.rounding_seed` of its key), or None for nearest
       rounding. Element ``e`` (flat index in the leaf) draws
       ``maps.hashed_uniform``'s number, so the codes are the jnp reference's.
+    row_bases: for a shard of a larger leaf, the uint32 flat index in the
+      whole leaf of each row's first element (`maps.row_hash_bases`); by
+      default the leaf is whole (row ``r`` starts at ``r * D``).
     options: interpret mode and tiling.
     reduce_scales: cross-shard reduction of rank-1/tensor scales (see
       `scales_from_partials`).
@@ -613,7 +622,9 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     if spec.stochastic and seed is None:
       raise ValueError(f"{spec} rounds stochastically and needs a seed.")
   seeded = any(spec.stochastic for spec, _ in new)
-  plan = _Plan(geo, 0 if coef is None else int(coef.shape[0]), seeded, len(dense_in), old_fmts,
+  row_based = seeded and row_bases is not None
+  plan = _Plan(geo, 0 if coef is None else int(coef.shape[0]), seeded, row_based,
+               len(dense_in), old_fmts,
                tuple(s for _, s in side), tuple(jnp.dtype(d) for d in dense_out), new_fmts,
                (True,) * len(old))
   head = ([] if coef is None else [coef.astype(jnp.float32)])
@@ -621,6 +632,8 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     head.append(jnp.stack([jnp.zeros((), jnp.uint32) if seed is None or not spec.stochastic
                            else jnp.asarray(seed).astype(jnp.uint32).reshape(())
                            for (spec, _), seed in zip(new, seeds)]))
+  if row_based:
+    head.append(jnp.asarray(row_bases).astype(jnp.uint32).reshape(geo.rows))
   head += [x.reshape(geo.rows, geo.cols) for x in dense_in]
   old_ops = [decode_operands(q, f, geo) for q, f in zip(old, old_fmts)]
   side_ops = [jnp.asarray(a, jnp.float32) for a, _ in side]

@@ -196,7 +196,8 @@ class FusedSteps:
       return None
     return _sharding.run_fused(
         lambda *args: self._local(kind, *args), grad, moments, tuple(side), (coef,),
-        lambda local_shape: _covers(local_shape, moments, self.options), keys)
+        lambda local_shape: _covers(local_shape, moments, self.options), keys,
+        hashes_global_index=True)
 
   def _local(self, kind, grad, moments, side, keys, reduce_scales, consts):
     (coef,) = consts
@@ -204,11 +205,13 @@ class FusedSteps:
     # The seeds the jnp reference derives from the same keys (`_leafwise._uniform`).
     seeds = [maps.rounding_seed(k) if m.spec.stochastic and k is not None else None
              for m, k in zip(moments, keys)]
+    shard = _sharding.shard_origin()
+    row_bases = None if shard is None else maps.row_hash_bases(shape, shard[1], shard[0])
     (update,), new = _engine.run(
         STEPS[kind], shape=shape, coef=coef, dense_in=[grad], old=moments,
         side=_side_inputs(kind, shape, side), dense_out=[grad.dtype],
         new=[(m.spec, m.dtype) for m in moments], alias=range(len(moments)),
-        seeds=seeds, options=self.options, reduce_scales=reduce_scales)
+        seeds=seeds, row_bases=row_bases, options=self.options, reduce_scales=reduce_scales)
     return update, new
 
 

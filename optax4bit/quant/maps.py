@@ -252,6 +252,25 @@ def rounding_seed(key: jax.Array) -> jax.Array:
   return seed
 
 
+def row_hash_bases(shape: tuple, origin: tuple = (), full_shape: Optional[tuple] = None):
+  """uint32 flat index (modulo 2**32), in a tensor of shape ``full_shape``,
+  of the first element of each row (last axis) of its block of shape
+  ``shape`` starting at ``origin``: shape ``(prod(shape[:-1]),)``. Element
+  ``c`` of row ``r`` of the block has flat index ``bases[r] + c``; kernels
+  that hash indices take these for blocks of sharded leaves."""
+  full_shape = tuple(shape) if full_shape is None else tuple(full_shape)
+  origin = tuple(origin) + (0,) * (len(shape) - len(origin))
+  lead = tuple(shape[:-1])
+  bases = jnp.full(lead, origin[-1], jnp.int32).astype(jnp.uint32)
+  stride = full_shape[-1]
+  for axis in reversed(range(len(lead))):
+    position = jax.lax.broadcasted_iota(jnp.uint32, lead, axis)
+    position = position + jnp.asarray(origin[axis]).astype(jnp.uint32)
+    bases = bases + position * np.uint32(stride % 2**32)
+    stride *= full_shape[axis]
+  return bases.reshape(-1)
+
+
 def hashed_uniform(seed: jax.Array, shape: tuple, origin: tuple = (),
                    full_shape: Optional[tuple] = None) -> jax.Array:
   """U[0, 1) float32 draws for a block of shape ``shape`` of a tensor of
