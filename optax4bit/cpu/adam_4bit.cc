@@ -42,14 +42,14 @@ namespace {
 // x86-64: clones for AVX-512 and AVX2 picked at load time (one binary for
 // any x86-64 machine); elsewhere the compiler's baseline.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define OPTAX4BIT_HOT __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#define OPTAX4BIT_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define OPTAX4BIT_HOT
 #endif
 
 constexpr int64_t kBlockBytes = 64;     // B128: 128 codes, two per byte
 constexpr int64_t kTableSize = 16;      // entries of a 4-bit map
-constexpr int64_t kCoefSize = 10;       // see optax4bit.pallas.optim.adam_coefficients
+constexpr int64_t kCoefSize = 12;       // see optax4bit.cpu.ffi._coefficients
 constexpr int64_t kGrainElements = 1 << 16;
 
 inline float FromBits(uint32_t u) { return __builtin_bit_cast(float, u); }
@@ -101,12 +101,24 @@ class FlushDenormals {
 #endif
 };
 
+// c1, c2, c1_next: the bias corrections 1 - b1^t, 1 - b2^t, 1 - b1^(t + 1).
 struct Coefficients {
-  float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c1, inv_c2, inv_c1, inv_c1_next;
+  float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, c1, inv_c2, inv_c1, inv_c1_next, c2,
+      c1_next;
 };
 
 Coefficients ReadCoefficients(const float* c) {
-  return Coefficients{c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9]};
+  return Coefficients{c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]};
+}
+
+// a * b + c rounded once, as XLA's CPU backend contracts a multiply feeding an
+// add (LLVM fuses the add's first operand when both are products). GCC
+// vectorizes these into FMA instructions in the clones that have them.
+inline float MulAdd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline F16 MulAdd16(F16 a, F16 b, F16 c) {
+  F16 r;
+  for (int k = 0; k < 16; ++k) r[k] = __builtin_fmaf(a[k], b[k], c[k]);
+  return r;
 }
 
 // Process-wide worker threads, started on first use. XLA's intra-op pool
@@ -213,8 +225,8 @@ OPTAX4BIT_HOT void NewFirstMoment(int64_t h, const float* __restrict g,
       const F16 ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
       const F16 de_even = __builtin_shuffle(table, byte & 15);
       const F16 de_odd = __builtin_shuffle(table, byte >> 4);
-      StoreF16(m + j, one_minus_b1 * ge + b1 * (de_even * s));
-      StoreF16(m + h + j, one_minus_b1 * go + b1 * (de_odd * s));
+      StoreF16(m + j, MulAdd16(F16{} + one_minus_b1, ge, b1 * (de_even * s)));
+      StoreF16(m + h + j, MulAdd16(F16{} + one_minus_b1, go, b1 * (de_odd * s)));
     }
   }
 }
@@ -235,8 +247,8 @@ __attribute__((always_inline)) inline void NewSecondMomentT(
       const float ge = g[2 * j], go = g[2 * j + 1];
       const float se = row_scale < col_even[j] ? row_scale : col_even[j];
       const float so = row_scale < col_odd[j] ? row_scale : col_odd[j];
-      v[j] = one_minus_b2 * (ge * ge) + b2 * (((float)(byte & 15) + 1.0f) * 0.0625f * se);
-      v[h + j] = one_minus_b2 * (go * go) + b2 * (((float)(byte >> 4) + 1.0f) * 0.0625f * so);
+      v[j] = MulAdd(one_minus_b2, ge * ge, b2 * (((float)(byte & 15) + 1.0f) * 0.0625f * se));
+      v[h + j] = MulAdd(one_minus_b2, go * go, b2 * (((float)(byte >> 4) + 1.0f) * 0.0625f * so));
     }
   } else {
     const F16 table = LoadF16(v_table);
@@ -247,8 +259,9 @@ __attribute__((always_inline)) inline void NewSecondMomentT(
       const F16 ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
       const F16 ce = LoadF16(col_even + j), co = LoadF16(col_odd + j);
       const F16 se = row < ce ? row : ce, so = row < co ? row : co;
-      StoreF16(v + j, one_minus_b2 * (ge * ge) + b2 * (__builtin_shuffle(table, byte & 15) * se));
-      StoreF16(v + h + j, one_minus_b2 * (go * go) + b2 * (__builtin_shuffle(table, byte >> 4) * so));
+      const F16 c = F16{} + one_minus_b2;
+      StoreF16(v + j, MulAdd16(c, ge * ge, b2 * (__builtin_shuffle(table, byte & 15) * se)));
+      StoreF16(v + h + j, MulAdd16(c, go * go, b2 * (__builtin_shuffle(table, byte >> 4) * so)));
     }
   }
 }
@@ -304,24 +317,26 @@ OPTAX4BIT_HOT void SecondMomentMaxima(int64_t h, const float* __restrict v, floa
 }
 
 // The Adam update m_hat / (sqrt(v_hat + eps_root) + eps), in the form XLA
-// compiles the jnp reference to (reciprocals of the bias corrections).
+// compiles the jnp reference to: m / (c1 * (sqrt(v / c2 + eps_root) + eps))
+// (XLA's algebraic simplifier turns (a / b) / c into a / (b * c)).
 OPTAX4BIT_HOT void Update(int64_t h, const float* __restrict m, const float* __restrict v,
                           const Coefficients& c, float* __restrict out) {
   for (int64_t j = 0; j < h; ++j) {
-    out[2 * j] = m[j] / (c.c1 * (std::sqrt(v[j] * c.inv_c2 + c.eps_root) + c.eps));
-    out[2 * j + 1] = m[h + j] / (c.c1 * (std::sqrt(v[h + j] * c.inv_c2 + c.eps_root) + c.eps));
+    out[2 * j] = m[j] / (c.c1 * (std::sqrt(v[j] / c.c2 + c.eps_root) + c.eps));
+    out[2 * j + 1] = m[h + j] / (c.c1 * (std::sqrt(v[h + j] / c.c2 + c.eps_root) + c.eps));
   }
 }
 
-// Nesterov: (b1 m / c1_next + (1 - b1) g / c1) / (sqrt(v_hat + eps_root) + eps).
+// Nesterov: (b1 m / c1_next + (1 - b1) g / c1) / (sqrt(v / c2 + eps_root) + eps),
+// the first product fused into the add as XLA does.
 OPTAX4BIT_HOT void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restrict m,
                                   const float* __restrict v, const Coefficients& c,
                                   float* __restrict out) {
   for (int64_t j = 0; j < h; ++j) {
     for (int64_t half = 0; half < 2; ++half) {
       const int64_t k = half * h + j, e = 2 * j + half;
-      out[e] = (c.b1 * (m[k] * c.inv_c1_next) + c.one_minus_b1 * (g[e] * c.inv_c1)) /
-               (std::sqrt(v[k] * c.inv_c2 + c.eps_root) + c.eps);
+      out[e] = MulAdd(c.one_minus_b1, g[e] / c.c1, c.b1 * (m[k] / c.c1_next)) /
+               (std::sqrt(v[k] / c.c2 + c.eps_root) + c.eps);
     }
   }
 }
@@ -530,7 +545,7 @@ ffi::Error LeafGeometry(const ffi::Buffer<ffi::F32>& grad, const ffi::Buffer<ffi
     return ffi::Error::InvalidArgument("second-moment codes or scales do not match grad");
   }
   if ((int64_t)coef.element_count() != kCoefSize) {
-    return ffi::Error::InvalidArgument("coef must hold 10 Adam coefficients");
+    return ffi::Error::InvalidArgument("coef must hold 12 Adam coefficients");
   }
   return ffi::Error::Success();
 }
@@ -697,7 +712,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitStats, StatsImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // v codes (rows, d / 2)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v row scales (rows, 1)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v column scales (1, d)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (10,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (12,)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // tables (62,)
                                   .Attr<bool>("v_linear")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new v row scales
@@ -715,7 +730,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v column scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // new v row scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // new v column scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (10,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (12,)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // tables (62,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // rounding seeds (2,)
                                   .Attr<bool>("nesterov")

@@ -33,6 +33,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax4bit import sharding as _sharding
 from optax4bit.pallas.optim import adam_coefficients
@@ -135,6 +136,16 @@ def covers(grad, moments) -> bool:
           and jnp.issubdtype(grad.dtype, jnp.floating))
 
 
+def _coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
+  """`optax4bit.pallas.optim.adam_coefficients`, then the bias corrections
+  ``1 - b2**t`` and ``1 - b1**(t + 1)`` by the expressions of
+  `optax4bit.transform.adam_step`: XLA's CPU backend divides by them."""
+  correction2 = 1 - b2**count_inc
+  correction1_next = 1 - b1**optax.safe_increment(count_inc)
+  return jnp.concatenate([adam_coefficients(b1, b2, eps, eps_root, count_inc),
+                          jnp.stack([correction2, correction1_next]).astype(jnp.float32)])
+
+
 def _tables_of(m: QuantizedArray, v: QuantizedArray):
   return jnp.asarray(_tables(m.spec.mapping, v.spec.mapping))
 
@@ -183,7 +194,7 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
 def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(None, None)):
   """One Adam step of a leaf `covers` accepts; returns ``(update, (m, v))``.
 
-  ``coef``: `optax4bit.pallas.optim.adam_coefficients`. ``reduce_scales``: see
+  ``coef``: `_coefficients`. ``reduce_scales``: see
   `optax4bit.sharding.per_shard` (turns a shard's rank-1 maxima into global
   ones). ``keys``: one PRNG key (or None) per moment; a moment rounded
   stochastically needs one (its draws are those of `maps.hashed_uniform`).
@@ -213,7 +224,7 @@ class CpuSteps:
     keys = (None,) * len(moments) if keys is None else tuple(keys)
     if any(m.spec.stochastic and k is None for m, k in zip(moments, keys)):
       return None  # the jnp path raises its error
-    coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
+    coef = _coefficients(b1, b2, eps, eps_root, count_inc)
 
     def local(g, local_moments, side, local_keys, reduce_scales, consts):
       del side
