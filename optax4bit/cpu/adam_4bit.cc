@@ -397,13 +397,21 @@ struct FirstMomentRounding {
   Bounds thresholds;  // nearest: the 15 midpoint thresholds
   Bounds entries;     // stochastic: table[1..15]
   F16 table;
+  // gap[k] = table[k + 1] - table[k] where that is > 0, else 1 (then n -
+  // table[k] is 0: only n = table[15] is left there by the clip).
+  F16 gap;
   float lowest, highest;
   uint32_t seed;
 
   FirstMomentRounding(const float* values, const float* midpoints, uint32_t seed_)
       : thresholds(MakeBounds(midpoints)), entries(MakeBounds(values + 1)),
         table(LoadF16(values)), lowest(values[0]), highest(values[kTableSize - 1]),
-        seed(seed_) {}
+        seed(seed_) {
+    for (int k = 0; k < kTableSize; ++k) {
+      const float gap_k = values[std::min<int>(k + 1, kTableSize - 1)] - values[k];
+      gap[k] = gap_k > 0.0f ? gap_k : 1.0f;
+    }
+  }
 
   template <bool kStochastic>
   __attribute__((always_inline)) I16 Codes(F16 n, UI16 index) const {
@@ -413,13 +421,9 @@ struct FirstMomentRounding {
       n = n > lowest ? n : lowest;
       n = n < highest ? n : highest;
       const I16 lower = CountAbove<true>(entries, n);
-      const F16 low = __builtin_shuffle(table, lower);
-      const I16 upper = lower < 15 ? lower + 1 : lower;
-      const F16 gap = __builtin_shuffle(table, upper) - low;
-      const I16 positive = gap > 0.0f;
-      const F16 probability = (n - low) / (positive ? gap : 1.0f);
-      const F16 up = positive ? probability : 0.0f;
-      return lower - (HashedUniform16(index, seed) < up);  // a true compare is -1
+      const F16 probability =
+          (n - __builtin_shuffle(table, lower)) / __builtin_shuffle(gap, lower);
+      return lower - (HashedUniform16(index, seed) < probability);  // a true compare is -1
     }
   }
 };
@@ -482,12 +486,14 @@ OPTAX4BIT_HOT void EncodeFirstMoment(bool stochastic, int64_t h, const float* __
 //
 // Other maps: n = (v * max(4 / row scale, 4 / column scale)) * 0.25 (the
 // inverses come times 4: inverse4), NaN read as 0, then the number of the 15
-// thresholds below n.
+// thresholds below n, all positive normal numbers: n > t exactly when y =
+// v * inverse4 > 4 t (a NaN y, which n reads as 0, is above none of them,
+// and a y whose quarter is subnormal is below all), so thresholds4 holds 4 t.
 template <bool kLinear>
 __attribute__((always_inline)) inline void EncodeSecondMomentT(
     int64_t h, const float* __restrict v, float row_inverse, const float* __restrict col_even,
-    const float* __restrict col_odd, const Bounds& thresholds, uint8_t* __restrict codes) {
-  auto levels = [row_inverse, &thresholds](F16 x, F16 col_inverse) {
+    const float* __restrict col_odd, const Bounds& thresholds4, uint8_t* __restrict codes) {
+  auto levels = [row_inverse, &thresholds4](F16 x, F16 col_inverse) {
     const F16 inverse = col_inverse > row_inverse ? col_inverse : row_inverse;
     if constexpr (kLinear) {
       F16 y = x * inverse - 1.5f;
@@ -496,9 +502,7 @@ __attribute__((always_inline)) inline void EncodeSecondMomentT(
       const I16 t = __builtin_convertvector(y, I16);
       return t + ((__builtin_convertvector(t, F16) < y) & 1);
     } else {
-      F16 n = (x * inverse) * 0.25f;
-      n = n == n ? n : 0.0f;
-      return CountAbove<false>(thresholds, n);
+      return CountAbove<false>(thresholds4, x * inverse);
     }
   };
   for (int64_t j = 0; j < h; j += 16) {
@@ -511,12 +515,12 @@ __attribute__((always_inline)) inline void EncodeSecondMomentT(
 // row_inverse, col_*: inverse16 for Linear, inverse4 for the other maps.
 OPTAX4BIT_HOT void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
                                       float row_inverse, const float* __restrict col_even,
-                                      const float* __restrict col_odd, const Bounds& thresholds,
+                                      const float* __restrict col_odd, const Bounds& thresholds4,
                                       uint8_t* __restrict codes) {
   if (linear) {
-    EncodeSecondMomentT<true>(h, v, row_inverse, col_even, col_odd, thresholds, codes);
+    EncodeSecondMomentT<true>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
   } else {
-    EncodeSecondMomentT<false>(h, v, row_inverse, col_even, col_odd, thresholds, codes);
+    EncodeSecondMomentT<false>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
   }
 }
 
@@ -643,7 +647,15 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   const float* m_table = tables.typed_data();
   const float* v_table = m_table + 2 * kTableSize - 1;
   const FirstMomentRounding m_rounding(m_table, m_table + kTableSize, seeds.typed_data()[0]);
-  const Bounds v_thresholds = MakeBounds(v_table + kTableSize);
+  float v_thresholds4[kTableSize - 1];
+  for (int k = 0; k < kTableSize - 1; ++k) {
+    const float t = v_table[kTableSize + k];
+    if (!v_linear && !(t >= FLT_MIN && t <= 1.0f)) {
+      return ffi::Error::InvalidArgument("second-moment thresholds must be normal, in (0, 1]");
+    }
+    v_thresholds4[k] = 4.0f * t;
+  }
+  const Bounds v_thresholds4_bounds = MakeBounds(v_thresholds4);
   const float* g = grad.typed_data();
   const uint8_t* old_m_codes = m_codes.typed_data();
   const float* old_m_scales = m_scales.typed_data();
@@ -689,7 +701,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
       EncodeFirstMoment(m_stochastic, h, m, m_rounding, (uint32_t)(uint64_t)(i * d),
                         m_scales_new + i * blocks, m_out + i * h);
       EncodeSecondMoment(v_linear, h, v, InverseTimes4(new_row_scales[i]) * inverse_factor,
-                         inv_col_even.data(), inv_col_odd.data(), v_thresholds, v_out + i * h);
+                         inv_col_even.data(), inv_col_odd.data(), v_thresholds4_bounds,
+                         v_out + i * h);
     }
   });
   return ffi::Error::Success();
