@@ -1,18 +1,32 @@
-// Fused XLA CPU step of 4-bit Adam for one 2-D leaf (the default recipe):
-// first moment B128/DE (signed, 128-element blocks of the last axis), second
-// moment Rank-1/Linear (unsigned, scales min(row max, column max)), nearest
-// rounding. Two FFI calls per leaf:
+// Fused XLA CPU step of 4-bit Adam for one 2-D leaf whose last axis is a
+// multiple of 128, for both of optax4bit's recipes (optax4bit/recipes.py) and
+// any pairing of their quantizers:
+//   first moment  B128/DE or B128/NF (signed, 128-element blocks of the last
+//                 axis), rounded to the nearest entry or stochastically;
+//   second moment Rank-1/Linear or Rank-1/SqrtDE-0 (unsigned, scales
+//                 min(row max, column max)), rounded to the nearest entry.
+// The default recipe is B128/NF stochastic + Rank-1/SqrtDE-0, the paper's
+// B128/DE + Rank-1/Linear, both nearest. One set of row kernels serves all:
+// the maps' entries and thresholds come in as the `tables` input, the
+// rounding as attributes, stochastic rounding's per-leaf seeds as `seeds`.
+// Two FFI calls per leaf:
 //   1. Adam4bitStats: the row and column maxima of the new second moment
 //      (it needs the whole leaf before any element can be encoded);
 //   2. Adam4bitApply: per row, decode both moments, run the float32 Adam step,
 //      write the update over the gradient and re-encode both moments in place.
 // No float32 moment is stored: a row's moments live in per-thread scratch.
 //
-// The arithmetic is that of the jnp reference as XLA compiles it (see
-// optax4bit/pallas/optim.py): the same operation order, no fused
-// multiply-adds (built with -ffp-contract=off), subnormals flushed to zero as
-// XLA's CPU backend does, non-finite values excluded from maxima and NaN
-// normalized to 0. Python side: optax4bit/cpu/ffi.py.
+// The arithmetic is that of the jnp reference as XLA (jaxlib 0.10) compiles
+// it for a leaf the jnp path splits into chunks (every leaf of two rows or
+// more): the same operation order; the multiply-adds XLA's CPU backend fuses
+// into FMAs fused here too (explicitly: the library is built with
+// -ffp-contract=off), all others not; divisions by the bias corrections
+// where XLA keeps them; subnormals flushed to zero as XLA's CPU backend does;
+// non-finite values excluded from maxima and NaN normalized to 0. Stochastic
+// rounding draws optax4bit.quant.maps.hashed_uniform's numbers: a hash of the
+// seed and of the element's flat index in the (local) leaf, so the codes do
+// not depend on chunking. tests/test_cpu_kernel.py checks codes, scales and
+// updates bit for bit against the jnp path. Python side: optax4bit/cpu/ffi.py.
 
 #include <algorithm>
 #include <atomic>

@@ -1,10 +1,18 @@
 """The fused XLA CPU kernel of 4-bit Adam, called through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers two FFI targets for XLA's CPU backend. For one 2-D leaf
-with the default quantizers (first moment ``B128/DE``, second moment
-``Rank-1/Linear``, nearest rounding) and a last axis that is a multiple of 128,
-one update is two calls:
+extension) registers two FFI targets for XLA's CPU backend. It covers a 2-D
+leaf whose last axis is a multiple of 128, with both recipes of
+`optax4bit.recipes` and any pairing of their quantizers (4 bits):
+
+* first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
+  stochastically (the default recipe: ``B128/NF``, stochastic);
+* second moment ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0``, nearest rounding
+  (the default recipe: ``Rank-1/SqrtDE-0``).
+
+The maps' entries and thresholds (`_tables`) and the per-leaf stochastic
+rounding seeds (`optax4bit.quant.maps.rounding_seed` of the moment's key) are
+inputs of the calls. One update is two calls:
 
 1. ``stats``: the row and column maxima of the new second moment (rank-1
    scales need the whole new moment before any element is encoded);
@@ -13,12 +21,13 @@ one update is two calls:
    place (``input_output_aliases``), split over as many threads as XLA's
    intra-op pool has.
 
-It computes what the jnp reference computes: the same float32 operations in
-the same order, the reciprocal forms XLA compiles the reference to (see
-`optax4bit.pallas.optim`), no fused multiply-adds and subnormals flushed, as
-on XLA's CPU backend. The equivalence tests compare codes, scales and updates
-with the jnp path. Other leaves, quantizers and optimizers run the jnp
-reference.
+It computes what the jnp reference computes, in the form XLA's CPU backend
+compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
+or more; see ``adam_4bit.cc``): codes, scales and updates are bit for bit
+those of ``implementation="jnp"`` there, stochastic rounding included (its
+draws are `optax4bit.quant.maps.hashed_uniform`'s). For a one-row leaf XLA
+compiles the reference's update differently and the two may differ in the
+last bits. Other leaves, quantizers and optimizers run the jnp reference.
 """
 
 from __future__ import annotations
