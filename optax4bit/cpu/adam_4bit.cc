@@ -130,9 +130,14 @@ Coefficients ReadCoefficients(const float* c) {
 // vectorizes these into FMA instructions in the clones that have them.
 inline float MulAdd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline F16 MulAdd16(F16 a, F16 b, F16 c) {
-  F16 r;
-  for (int k = 0; k < 16; ++k) r[k] = __builtin_fmaf(a[k], b[k], c[k]);
-  return r;
+  // Through arrays: a loop GCC vectorizes at any vector width (lane by lane
+  // on a vector type wider than the target's, it calls fmaf per element).
+  float x[16], y[16], z[16];
+  std::memcpy(x, &a, sizeof(x));
+  std::memcpy(y, &b, sizeof(y));
+  std::memcpy(z, &c, sizeof(z));
+  for (int k = 0; k < 16; ++k) x[k] = __builtin_fmaf(x[k], y[k], z[k]);
+  return LoadF16(x);
 }
 
 // Process-wide worker threads, started on first use. XLA's intra-op pool
