@@ -335,28 +335,71 @@ OPTAX4BIT_HOT void SecondMomentMaxima(int64_t h, const float* __restrict v, floa
   *row = FromBits(HorizontalMax(r));
 }
 
+// v / c2, the correctly rounded quotient XLA's division gives, without a
+// division (the update is bound by the divider): with r = RN(1 / c2) and
+// q0 = RN(v r), Markstein's correction RN(q0 + (v - c2 q0) r), two FMAs, is
+// RN(v / c2) when nothing underflows or overflows: for q0 in [2**-40, 2**100]
+// or 0 and c2 >= 2**-40 (then v - c2 q0 is exact and normal or 0; checked
+// against the division on all float32 significands for a dozen c2). Elsewhere
+// `unsafe` is set and the caller divides.
+inline float VOverC2(float v, float c2, float r, int& unsafe) {
+  const float q0 = v * r;
+  unsafe |= !((q0 >= 0x1p-40f && q0 <= 0x1p100f) || q0 == 0.0f);
+  return __builtin_fmaf(__builtin_fmaf(-q0, c2, v), r, q0);
+}
+
+inline bool C2AllowsMarkstein(float c2) { return c2 >= 0x1p-40f && c2 <= 1.0f; }
+
 // The Adam update m_hat / (sqrt(v_hat + eps_root) + eps), in the form XLA
 // compiles the jnp reference to: m / (c1 * (sqrt(v / c2 + eps_root) + eps))
 // (XLA's algebraic simplifier turns (a / b) / c into a / (b * c)).
+template <bool kDivide>
+__attribute__((always_inline)) inline int UpdateT(int64_t h, const float* __restrict m,
+                                                  const float* __restrict v,
+                                                  const Coefficients& c, float r,
+                                                  float* __restrict out) {
+  int unsafe = 0;
+  for (int64_t j = 0; j < h; ++j) {
+    const float ve = kDivide ? v[j] / c.c2 : VOverC2(v[j], c.c2, r, unsafe);
+    const float vo = kDivide ? v[h + j] / c.c2 : VOverC2(v[h + j], c.c2, r, unsafe);
+    out[2 * j] = m[j] / (c.c1 * (std::sqrt(ve + c.eps_root) + c.eps));
+    out[2 * j + 1] = m[h + j] / (c.c1 * (std::sqrt(vo + c.eps_root) + c.eps));
+  }
+  return unsafe;
+}
+
 OPTAX4BIT_HOT void Update(int64_t h, const float* __restrict m, const float* __restrict v,
                           const Coefficients& c, float* __restrict out) {
-  for (int64_t j = 0; j < h; ++j) {
-    out[2 * j] = m[j] / (c.c1 * (std::sqrt(v[j] / c.c2 + c.eps_root) + c.eps));
-    out[2 * j + 1] = m[h + j] / (c.c1 * (std::sqrt(v[h + j] / c.c2 + c.eps_root) + c.eps));
+  const float r = 1.0f / c.c2;
+  if (!C2AllowsMarkstein(c.c2) || UpdateT<false>(h, m, v, c, r, out)) {
+    UpdateT<true>(h, m, v, c, r, out);
   }
 }
 
 // Nesterov: (b1 m / c1_next + (1 - b1) g / c1) / (sqrt(v / c2 + eps_root) + eps),
 // the first product fused into the add as XLA does.
-OPTAX4BIT_HOT void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restrict m,
-                                  const float* __restrict v, const Coefficients& c,
-                                  float* __restrict out) {
+template <bool kDivide>
+__attribute__((always_inline)) inline int NesterovUpdateT(
+    int64_t h, const float* __restrict g, const float* __restrict m, const float* __restrict v,
+    const Coefficients& c, float r, float* __restrict out) {
+  int unsafe = 0;
   for (int64_t j = 0; j < h; ++j) {
     for (int64_t half = 0; half < 2; ++half) {
       const int64_t k = half * h + j, e = 2 * j + half;
+      const float v_hat = kDivide ? v[k] / c.c2 : VOverC2(v[k], c.c2, r, unsafe);
       out[e] = MulAdd(c.one_minus_b1, g[e] / c.c1, c.b1 * (m[k] / c.c1_next)) /
-               (std::sqrt(v[k] / c.c2 + c.eps_root) + c.eps);
+               (std::sqrt(v_hat + c.eps_root) + c.eps);
     }
+  }
+  return unsafe;
+}
+
+OPTAX4BIT_HOT void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restrict m,
+                                  const float* __restrict v, const Coefficients& c,
+                                  float* __restrict out) {
+  const float r = 1.0f / c.c2;
+  if (!C2AllowsMarkstein(c.c2) || NesterovUpdateT<false>(h, g, m, v, c, r, out)) {
+    NesterovUpdateT<true>(h, g, m, v, c, r, out);
   }
 }
 
