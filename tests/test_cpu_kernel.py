@@ -1,7 +1,10 @@
 """The C++ CPU kernel of 4-bit Adam (`optax4bit.cpu`) against the jnp path.
 
-The kernel computes the jnp reference's float32 operations in the same order,
-but XLA compiles the reference with its own instruction choices, so updates and
+The kernel computes the jnp reference's float32 operations in the form XLA
+compiles them to. XLA's form of the update depends on the program around it:
+the kernel reproduces the one of leaves the jnp path splits into chunks (every
+leaf of two rows or more), where codes, scales and updates must be bitwise
+equal (`test_kernel_bitwise_matches_jnp`, both recipes). Elsewhere updates and
 scales may differ in the last bits; a code differs only where a value lies
 within rounding of a threshold. Criteria: at most 1e-4 of the codes differ, by
 one level; scales within 8 ulps; updates within 8 ulps of the leaf's largest
@@ -140,6 +143,10 @@ def test_kernel_bf16_grads_and_auto_dispatch():
   # On the CPU backend "auto" picks the kernel: its custom call is in the HLO.
   hlo = jax.jit(auto.update).lower(grads, auto.init(params), params).as_text()
   assert "optax4bit_adam_4bit_apply" in hlo
+  # Both recipes: the default one is no longer left to the jnp path.
+  paper = optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe="paper")
+  assert "optax4bit_adam_4bit_apply" in jax.jit(paper.update).lower(
+      grads, paper.init(params), params).as_text()
 
 
 def test_dispatch_names():
@@ -153,7 +160,7 @@ def test_dispatch_names():
       optax4bit.adamw_4bit(1e-3, implementation="cpu")
 
 
-def test_covers_only_the_default_recipe():
+def test_covers_both_recipes_only():
   def moments(shape, first="B128/DE", second="Rank-1/Linear"):
     tx = optax4bit.scale_by_adam_4bit(min_quantize_size=0, first_moment=first,
                                       second_moment=second)
@@ -164,8 +171,90 @@ def test_covers_only_the_default_recipe():
   assert not cpu_ffi.covers(jnp.zeros((4, 130)), moments((4, 130)))
   assert not cpu_ffi.covers(g, moments((4, 256), first="B2048/DE"))
   assert not cpu_ffi.covers(g, moments((4, 256), second="B128/DE"))
+  # Both recipes, and any mix of their quantizers (the first moment rounded
+  # either way); the second moment only to the nearest entry.
+  assert cpu_ffi.covers(g, moments((4, 256), first=None, second=None))  # default recipe
   stochastic = optax4bit.QuantSpec.parse("B128/DE", signed=True, stochastic=True)
-  assert not cpu_ffi.covers(g, moments((4, 256), first=stochastic))
+  assert cpu_ffi.covers(g, moments((4, 256), first=stochastic))
+  assert cpu_ffi.covers(g, moments((4, 256), first="B128/NF", second="Rank-1/SqrtDE-0"))
+  stochastic_v = optax4bit.QuantSpec.parse("Rank-1/Linear", signed=False, stochastic=True)
+  assert not cpu_ffi.covers(g, moments((4, 256), second=stochastic_v))
+  assert not cpu_ffi.covers(g, moments((4, 256), second="Rank-1/DE-0"))
+  assert not cpu_ffi.covers(g, moments((4, 256), first="B64/NF"))
+
+
+def _bits(x) -> np.ndarray:
+  return np.asarray(jnp.asarray(x).astype(jnp.float32)).view(np.uint32)
+
+
+def assert_bitwise(ref_updates, ref_state, updates, state, leaves):
+  """Codes, scales and updates of ``leaves`` bitwise equal."""
+  for k in leaves:
+    np.testing.assert_array_equal(_bits(ref_updates[k]), _bits(updates[k]), err_msg=k)
+    for name in ("mu", "nu"):
+      a, b = getattr(ref_state, name)[k], getattr(state, name)[k]
+      assert isinstance(a, optax4bit.QuantizedArray) and a.spec == b.spec
+      np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes), err_msg=k)
+      for sa, sb in zip(a.scales, b.scales):
+        np.testing.assert_array_equal(_bits(sa), _bits(sb), err_msg=k)
+
+
+STOCHASTIC_DE = optax4bit.QuantSpec("block", "DE", 4, signed=True, block_size=128,
+                                    stochastic=True)
+# (recipe, first moment override, second moment override, nesterov)
+BITWISE_CASES = [
+    ("default", None, None, False),
+    ("default", None, None, True),
+    ("paper", None, None, False),
+    ("paper", None, None, True),
+    ("default", STOCHASTIC_DE, "Rank-1/Linear", False),  # the other pairings
+    ("paper", "B128/NF", "Rank-1/SqrtDE-0", False),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("recipe,first,second,nesterov", BITWISE_CASES)
+def test_kernel_bitwise_matches_jnp(recipe, first, second, nesterov):
+  """Several steps with non-finite, zero, tiny and huge gradients; the 1-row
+  leaf "c" runs unchunked in the jnp path (close, see the module docstring)."""
+  params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
+            for i, (k, s) in enumerate(SHAPES.items())}
+  txs = [optax4bit.scale_by_adam_4bit(min_quantize_size=0, nesterov=nesterov, recipe=recipe,
+                                      first_moment=first, second_moment=second,
+                                      implementation=impl) for impl in ("jnp", "cpu")]
+  states = [tx.init(params) for tx in txs]
+  updates_fns = [jax.jit(tx.update) for tx in txs]
+  assert "optax4bit_adam_4bit_apply" in updates_fns[1].lower(params, states[1]).as_text()
+  for step in range(5):
+    grads = _grads(params, step)
+    (u_ref, s_ref), (u_cpu, s_cpu) = [f(grads, s) for f, s in zip(updates_fns, states)]
+    assert_bitwise(u_ref, s_ref, u_cpu, s_cpu, ("a", "b"))
+    assert_close(compare_states(s_ref, s_cpu), compare_updates(u_ref, u_cpu))
+    np.testing.assert_array_equal(np.asarray(s_ref.mu["c"].codes), np.asarray(s_cpu.mu["c"].codes))
+    for k in ("d", "e"):  # the jnp path in both
+      np.testing.assert_array_equal(u_ref[k], u_cpu[k])
+    states = [s_ref, s_cpu]
+
+
+@needs_kernel
+@pytest.mark.parametrize("recipe", ["default", "paper"])
+def test_kernel_bitwise_bf16_and_chunked(recipe):
+  """bf16 parameters and gradients; a 1024x1024 leaf that the jnp path runs in
+  16 chunks (the stochastic draws must not depend on chunking)."""
+  params = {"w": 0.02 * jax.random.normal(jax.random.PRNGKey(0), (1024, 1024)),
+            "h": (0.02 * jax.random.normal(jax.random.PRNGKey(1), (96, 512))).astype(jnp.bfloat16)}
+  txs = [optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe=recipe, chunk_size=1 << 16,
+                              implementation=impl) for impl in ("jnp", "cpu")]
+  states = [tx.init(params) for tx in txs]
+  updates_fns = [jax.jit(tx.update) for tx in txs]
+  for step in range(3):
+    grads = {k: (0.1 * p.astype(jnp.float32) + 0.01 * jax.random.normal(
+        jax.random.PRNGKey(10 * step + i), p.shape)).astype(p.dtype)
+             for i, (k, p) in enumerate(params.items())}
+    (u_ref, s_ref), (u_cpu, s_cpu) = [f(grads, s, params) for f, s in zip(updates_fns, states)]
+    assert u_cpu["h"].dtype == jnp.bfloat16
+    assert_bitwise(u_ref, s_ref[0], u_cpu, s_cpu[0], ("w", "h"))
+    states = [s_ref, s_cpu]
 
 
 def _sharded_check() -> dict:
@@ -185,8 +274,16 @@ def _sharded_check() -> dict:
                                NamedSharding(mesh, specs[k])) for k, s in shapes.items()}
     out = [jax.jit(tx.update)(grads, s, params) for tx, s in zip(txs, states)]
     result = {**compare_states(out[0][1], out[1][1]), **compare_updates(out[0][0], out[1][0])}
+    try:  # every shard has two rows or more: bitwise (see the module docstring)
+      assert_bitwise(out[0][0], out[0][1][0], out[1][0], out[1][1][0], tuple(shapes))
+      result["bitwise"] = True
+    except AssertionError:
+      result["bitwise"] = False
     for key, value in result.items():
-      worst[key] = value if key == "same_nan" and not value else max(worst.get(key, value), value)
+      if key in ("same_nan", "bitwise"):
+        worst[key] = worst.get(key, True) and value
+      else:
+        worst[key] = max(worst.get(key, value), value)
     states = [o[1] for o in out]
   hlo = jax.jit(txs[1].update).lower(grads, states[1], params).as_text()
   worst["kernel_in_hlo"] = "optax4bit_adam_4bit_apply" in hlo
@@ -202,6 +299,7 @@ def test_kernel_sharded_matches_jnp():
   result = run_json(os.path.abspath(__file__))
   assert result.pop("kernel_in_hlo")
   assert result.pop("state_sharding_kept")
+  assert result.pop("bitwise")  # the default recipe: stochastic draws keyed per shard
   same_nan = result.pop("same_nan")
   assert_close({k: result[k] for k in ("code_fraction", "code_level", "scale_ulps")},
                {"update_ulps": result["update_ulps"], "same_nan": same_nan})

@@ -1,7 +1,8 @@
-"""A fused XLA CPU kernel (C++, ``jax.ffi``) for 4-bit AdamW's default recipe.
+"""A fused XLA CPU kernel (C++, ``jax.ffi``) for 4-bit AdamW, both recipes.
 
 On the CPU backend ``implementation="auto"`` (the default of every optimizer)
-runs 2-D leaves quantized with ``B128/DE`` and ``Rank-1/Linear`` through it;
+runs 2-D leaves quantized with the default recipe (``B128/NF`` stochastic,
+``Rank-1/SqrtDE-0``) or the paper's (``B128/DE``, ``Rank-1/Linear``) through it;
 ``implementation="cpu"`` asks for it explicitly and ``"jnp"`` turns it off.
 It is built at install time from ``adam_4bit.cc`` when a C++17 compiler is
 found; without one optax4bit installs and runs its jnp implementation.

@@ -1,10 +1,18 @@
 """The fused XLA CPU kernel of 4-bit Adam, called through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers two FFI targets for XLA's CPU backend. For one 2-D leaf
-with the default quantizers (first moment ``B128/DE``, second moment
-``Rank-1/Linear``, nearest rounding) and a last axis that is a multiple of 128,
-one update is two calls:
+extension) registers two FFI targets for XLA's CPU backend. It covers a 2-D
+leaf whose last axis is a multiple of 128, with both recipes of
+`optax4bit.recipes` and any pairing of their quantizers (4 bits):
+
+* first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
+  stochastically (the default recipe: ``B128/NF``, stochastic);
+* second moment ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0``, nearest rounding
+  (the default recipe: ``Rank-1/SqrtDE-0``).
+
+The maps' entries and thresholds (`_tables`) and the per-leaf stochastic
+rounding seeds (`optax4bit.quant.maps.rounding_seed` of the moment's key) are
+inputs of the calls. One update is two calls:
 
 1. ``stats``: the row and column maxima of the new second moment (rank-1
    scales need the whole new moment before any element is encoded);
@@ -13,12 +21,13 @@ one update is two calls:
    place (``input_output_aliases``), split over as many threads as XLA's
    intra-op pool has.
 
-It computes what the jnp reference computes: the same float32 operations in
-the same order, the reciprocal forms XLA compiles the reference to (see
-`optax4bit.pallas.optim`), no fused multiply-adds and subnormals flushed, as
-on XLA's CPU backend. The equivalence tests compare codes, scales and updates
-with the jnp path. Other leaves, quantizers and optimizers run the jnp
-reference.
+It computes what the jnp reference computes, in the form XLA's CPU backend
+compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
+or more; see ``adam_4bit.cc``): codes, scales and updates are bit for bit
+those of ``implementation="jnp"`` there, stochastic rounding included (its
+draws are `optax4bit.quant.maps.hashed_uniform`'s). For a one-row leaf XLA
+compiles the reference's update differently and the two may differ in the
+last bits. Other leaves, quantizers and optimizers run the jnp reference.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax4bit import sharding as _sharding
 from optax4bit.pallas.optim import adam_coefficients
@@ -45,11 +55,22 @@ __all__ = ["available", "unavailable_reason", "covers", "adam_leaf", "CpuSteps"]
 _LIBRARY = "_adam_4bit"
 _STATS_TARGET = "optax4bit_adam_4bit_stats"
 _APPLY_TARGET = "optax4bit_adam_4bit_apply"
-_FIRST_MOMENT = QuantSpec.parse("B128/DE", signed=True)
-_SECOND_MOMENT = QuantSpec.parse("Rank-1/Linear", signed=False)
-# The 16 DE values, then the 15 midpoint thresholds nearest rounding compares with.
-_DE_TABLE = np.concatenate([maps.qmap("DE", 4, True),
-                            maps.midpoint_thresholds("DE", 4, True)]).astype(np.float32)
+# The quantizers the kernel runs: every combination of a first and a second moment.
+_FIRST_MOMENTS = tuple(QuantSpec("block", mapping, 4, signed=True, block_size=128,
+                                 stochastic=stochastic)
+                       for mapping in ("DE", "NF") for stochastic in (False, True))
+_SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False)
+                        for mapping in ("Linear", "SqrtDE-0"))
+
+
+@functools.cache
+def _tables(first_mapping: str, second_mapping: str) -> np.ndarray:
+  """The kernel's ``tables`` input: each moment's 16 entries, then the 15
+  thresholds nearest rounding compares with; first moment, then second."""
+  return np.concatenate([maps.qmap(first_mapping, 4, True),
+                         maps.midpoint_thresholds(first_mapping, 4, True),
+                         maps.qmap(second_mapping, 4, False),
+                         maps.midpoint_thresholds(second_mapping, 4, False)]).astype(np.float32)
 
 
 def _library_path() -> Optional[str]:
@@ -112,26 +133,57 @@ def unavailable_reason() -> Optional[str]:
 
 def covers(grad, moments) -> bool:
   """Whether the kernel computes this leaf: a 2-D leaf with at least one row,
-  a last axis that is a multiple of 128 and moments quantized with exactly
-  ``B128/DE`` (signed) and ``Rank-1/Linear`` (unsigned), nearest rounding."""
+  a last axis that is a multiple of 128 and moments quantized with 4 bits
+  as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic rounding) and
+  ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest rounding)."""
   if len(moments) != 2 or not all(isinstance(m, QuantizedArray) for m in moments):
     return False
   m, v = moments
   shape = tuple(grad.shape)
-  return (m.spec == _FIRST_MOMENT and v.spec == _SECOND_MOMENT and len(shape) == 2
+  return (m.spec in _FIRST_MOMENTS and v.spec in _SECOND_MOMENTS and len(shape) == 2
           and shape[0] > 0 and shape[1] % 128 == 0
           and jnp.issubdtype(grad.dtype, jnp.floating))
 
 
-def _stats_call(grad, v: QuantizedArray, coef):
+def _coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
+  """`optax4bit.pallas.optim.adam_coefficients`, then the bias corrections
+  ``1 - b2**t`` and ``1 - b1**(t + 1)`` by the expressions of
+  `optax4bit.transform.adam_step`: XLA's CPU backend divides by them."""
+  correction2 = 1 - b2**count_inc
+  correction1_next = 1 - b1**optax.safe_increment(count_inc)
+  return jnp.concatenate([adam_coefficients(b1, b2, eps, eps_root, count_inc),
+                          jnp.stack([correction2, correction1_next]).astype(jnp.float32)])
+
+
+def _tables_of(m: QuantizedArray, v: QuantizedArray):
+  return jnp.asarray(_tables(m.spec.mapping, v.spec.mapping))
+
+
+def _stats_call(grad, m: QuantizedArray, v: QuantizedArray, coef):
   row, col = v.scales
   return jax.ffi.ffi_call(
       _STATS_TARGET,
       (jax.ShapeDtypeStruct(row.shape, jnp.float32), jax.ShapeDtypeStruct(col.shape, jnp.float32)),
-      vmap_method="sequential")(grad, v.codes, row, col, coef)
+      vmap_method="sequential")(grad, v.codes, row, col, coef, _tables_of(m, v),
+                                v_linear=np.bool_(v.spec.mapping == "Linear"))
 
 
-def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, nesterov: bool):
+def _seeds(moments, keys):
+  """uint32 stochastic rounding seeds (`maps.rounding_seed`), 0 for a moment
+  rounded to the nearest entry."""
+  seeds = []
+  for moment, key in zip(moments, keys):
+    if moment.spec.stochastic:
+      if key is None:
+        raise ValueError(f"{moment.spec} rounds stochastically and needs a PRNG key.")
+      seeds.append(maps.rounding_seed(key))
+    else:
+      seeds.append(jnp.uint32(0))
+  return jnp.stack(seeds).astype(jnp.uint32)
+
+
+def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, nesterov: bool,
+                seeds):
   (block_scales,) = m.scales
   row, col = v.scales
   new_row, new_col = new_scales
@@ -142,22 +194,28 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
   return jax.ffi.ffi_call(
       _APPLY_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
       vmap_method="sequential")(grad, m.codes, block_scales, v.codes, row, col, new_row,
-                                new_col, coef, jnp.asarray(_DE_TABLE),
-                                nesterov=np.bool_(nesterov))
+                                new_col, coef, _tables_of(m, v), seeds,
+                                nesterov=np.bool_(nesterov),
+                                m_stochastic=np.bool_(m.spec.stochastic),
+                                v_linear=np.bool_(v.spec.mapping == "Linear"))
 
 
-def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None):
+def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(None, None)):
   """One Adam step of a leaf `covers` accepts; returns ``(update, (m, v))``.
 
-  ``coef``: `optax4bit.pallas.optim.adam_coefficients`. ``reduce_scales``: see
-  `optax4bit.sharding.per_shard` (turns a shard's rank-1 maxima into global ones).
+  ``coef``: `_coefficients`. ``reduce_scales``: see
+  `optax4bit.sharding.per_shard` (turns a shard's rank-1 maxima into global
+  ones). ``keys``: one PRNG key (or None) per moment; a moment rounded
+  stochastically needs one (its draws are those of `maps.hashed_uniform`).
   """
   m, v = moments
+  seeds = _seeds(moments, keys)
   g = grad.astype(jnp.float32)
-  new_scales = _stats_call(g, v, coef)
+  new_scales = _stats_call(g, m, v, coef)
   if reduce_scales is not None:
     new_scales = tuple(reduce_scales(new_scales, normalize.layout_for(v.spec, v.shape)))
-  update, m_codes, block_scales, v_codes = _apply_call(g, m, v, new_scales, coef, nesterov)
+  update, m_codes, block_scales, v_codes = _apply_call(g, m, v, new_scales, coef, nesterov,
+                                                       seeds)
   new_m = QuantizedArray(m_codes, (block_scales,), m.spec, m.shape, m.dtype)
   new_v = QuantizedArray(v_codes, tuple(new_scales), v.spec, v.shape, v.dtype)
   return update.astype(grad.dtype), (new_m, new_v)
@@ -172,11 +230,14 @@ class CpuSteps:
     moments = tuple(moments)
     if not covers(grad, moments):
       return None
-    coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
+    keys = (None,) * len(moments) if keys is None else tuple(keys)
+    if any(m.spec.stochastic and k is None for m, k in zip(moments, keys)):
+      return None  # the jnp path raises its error
+    coef = _coefficients(b1, b2, eps, eps_root, count_inc)
 
-    def local(g, local_moments, side, keys, reduce_scales, consts):
-      del side, keys
-      return adam_leaf(g, local_moments, consts[0], nesterov, reduce_scales)
+    def local(g, local_moments, side, local_keys, reduce_scales, consts):
+      del side
+      return adam_leaf(g, local_moments, consts[0], nesterov, reduce_scales, local_keys)
 
     return _sharding.run_fused(
         local, grad, moments, (), (coef,),
