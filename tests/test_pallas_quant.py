@@ -118,7 +118,7 @@ def test_kernel_stochastic_encoder_matches_maps():
   """The kernels' copy of `maps.encode_stochastic` and `maps.hashed_uniform`
   (written for a correctly rounded GPU division) against the originals."""
   seed = optax4bit.quant.maps.rounding_seed(KEY)
-  u = optax4bit.quant.maps.hashed_uniform(seed, (7, 300), 3)
+  u = optax4bit.quant.maps.hashed_uniform(seed, (7, 300), (3,), (10, 300))  # rows 3..9
   index = (3 * 300 + jnp.arange(7 * 300, dtype=jnp.uint32)).reshape(7, 300)
   np.testing.assert_array_equal(np.asarray(_engine.hashed_uniform(seed, index)), np.asarray(u))
   rng = np.random.RandomState(0)
