@@ -299,7 +299,7 @@ def test_kernel_sharded_matches_jnp():
   result = run_json(os.path.abspath(__file__))
   assert result.pop("kernel_in_hlo")
   assert result.pop("state_sharding_kept")
-  assert result.pop("bitwise")  # the default recipe: stochastic draws keyed per shard
+  assert result.pop("bitwise")  # the default recipe: stochastic draws hash global indices
   same_nan = result.pop("same_nan")
   assert_close({k: result[k] for k in ("code_fraction", "code_level", "scale_ulps")},
                {"update_ulps": result["update_ulps"], "same_nan": same_nan})

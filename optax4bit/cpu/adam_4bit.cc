@@ -24,7 +24,7 @@
 // where XLA keeps them; subnormals flushed to zero as XLA's CPU backend does;
 // non-finite values excluded from maxima and NaN normalized to 0. Stochastic
 // rounding draws optax4bit.quant.maps.hashed_uniform's numbers: a hash of the
-// seed and of the element's flat index in the (local) leaf, so the codes do
+// seed and of the element's flat index in the whole leaf, so the codes do
 // not depend on chunking. tests/test_cpu_kernel.py checks codes, scales and
 // updates bit for bit against the jnp path. Python side: optax4bit/cpu/ffi.py.
 
@@ -677,14 +677,17 @@ ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 }
 
 // seeds: (2,) uint32, the stochastic rounding seeds (maps.rounding_seed) of
-// the first and second moments; m_stochastic: round the first moment
+// the first and second moments; row_bases: (rows,) uint32, the flat index in
+// the whole leaf of each row's first element (maps.row_hash_bases: i * d for
+// a whole leaf, global indices for a shard); m_stochastic: round the first moment
 // stochastically (else to the nearest entry); v_linear: see StatsImpl.
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
                      ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
                      ffi::Buffer<ffi::F32> v_cols, ffi::Buffer<ffi::F32> new_v_rows,
                      ffi::Buffer<ffi::F32> new_v_cols, ffi::Buffer<ffi::F32> coef,
-                     ffi::Buffer<ffi::F32> tables, ffi::Buffer<ffi::U32> seeds, bool nesterov,
+                     ffi::Buffer<ffi::F32> tables, ffi::Buffer<ffi::U32> seeds,
+                     ffi::Buffer<ffi::U32> row_bases, bool nesterov,
                      bool m_stochastic, bool v_linear,
                      ffi::ResultBuffer<ffi::F32> update, ffi::ResultBuffer<ffi::U8> m_codes_out,
                      ffi::ResultBuffer<ffi::F32> m_scales_out,
@@ -704,11 +707,15 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   if (seeds.element_count() != 2) {
     return ffi::Error::InvalidArgument("seeds must hold one uint32 per moment");
   }
+  if ((int64_t)row_bases.element_count() != rows) {
+    return ffi::Error::InvalidArgument("row_bases must hold one uint32 per row");
+  }
   FlushDenormals flush;  // also for the scale reciprocals below
   const Coefficients c = ReadCoefficients(coef.typed_data());
   const float* m_table = tables.typed_data();
   const float* v_table = m_table + 2 * kTableSize - 1;
   const FirstMomentRounding m_rounding(m_table, m_table + kTableSize, seeds.typed_data()[0]);
+  const uint32_t* row_base = row_bases.typed_data();
   float v_thresholds4[kTableSize - 1];
   for (int k = 0; k < kTableSize - 1; ++k) {
     const float t = v_table[kTableSize + k];
@@ -760,7 +767,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
         Update(h, m, v, c, out + i * d);
       }
       // Flat element indices wrap modulo 2**32, as maps.hashed_uniform's.
-      EncodeFirstMoment(m_stochastic, h, m, m_rounding, (uint32_t)(uint64_t)(i * d),
+      EncodeFirstMoment(m_stochastic, h, m, m_rounding, row_base[i],
                         m_scales_new + i * blocks, m_out + i * h);
       EncodeSecondMoment(v_linear, h, v, InverseTimes4(new_row_scales[i]) * inverse_factor,
                          inv_col_even.data(), inv_col_odd.data(), v_thresholds4_bounds,
@@ -808,6 +815,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (12,)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // tables (62,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // rounding seeds (2,)
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // row hash bases (rows,)
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("m_stochastic")
                                   .Attr<bool>("v_linear")

@@ -183,7 +183,7 @@ def _seeds(moments, keys):
 
 
 def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, nesterov: bool,
-                seeds):
+                seeds, row_bases):
   (block_scales,) = m.scales
   row, col = v.scales
   new_row, new_col = new_scales
@@ -194,7 +194,7 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
   return jax.ffi.ffi_call(
       _APPLY_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
       vmap_method="sequential")(grad, m.codes, block_scales, v.codes, row, col, new_row,
-                                new_col, coef, _tables_of(m, v), seeds,
+                                new_col, coef, _tables_of(m, v), seeds, row_bases,
                                 nesterov=np.bool_(nesterov),
                                 m_stochastic=np.bool_(m.spec.stochastic),
                                 v_linear=np.bool_(v.spec.mapping == "Linear"))
@@ -214,8 +214,12 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
   new_scales = _stats_call(g, m, v, coef)
   if reduce_scales is not None:
     new_scales = tuple(reduce_scales(new_scales, normalize.layout_for(v.spec, v.shape)))
+  # Each row's flat index in the whole leaf (global on a shard), for the hash.
+  shard = _sharding.shard_origin()
+  row_bases = (maps.row_hash_bases(g.shape) if shard is None else
+               maps.row_hash_bases(g.shape, shard[1], shard[0]))
   update, m_codes, block_scales, v_codes = _apply_call(g, m, v, new_scales, coef, nesterov,
-                                                       seeds)
+                                                       seeds, row_bases)
   new_m = QuantizedArray(m_codes, (block_scales,), m.spec, m.shape, m.dtype)
   new_v = QuantizedArray(v_codes, tuple(new_scales), v.spec, v.shape, v.dtype)
   return update.astype(grad.dtype), (new_m, new_v)
@@ -241,7 +245,8 @@ class CpuSteps:
 
     return _sharding.run_fused(
         local, grad, moments, (), (coef,),
-        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments), keys)
+        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments), keys,
+        hashes_global_index=True)
 
   def factored(self, *args, **kwargs):
     del args, kwargs
