@@ -5,6 +5,7 @@ as before the default changed, and the quality targets of the default."""
 import fractions
 import json
 import os
+import sys
 
 import hypothesis
 import hypothesis.strategies as st
@@ -21,6 +22,8 @@ from conftest import SPEC_DE0_4BIT, argmin_codes, unpack_nibbles
 import paper_recipe_golden
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+import recipe_ablation  # pylint: disable=wrong-import-position  # the problems of issue 14
 
 # NF4 as printed in QLoRA (Dettmers et al., 2023, appendix E) and bitsandbytes.
 QLORA_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -241,45 +244,14 @@ def test_recipe_paper_is_the_paper_quantizers():
 # --- Quality targets of issue 14 (one seed; benchmarks/quality.py has more). ---
 
 
-def _train(tx, loss, params, steps):
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state):
-    grads = jax.grad(loss)(params)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  for _ in range(steps):
-    params, state = step(params, state)
-  return float(loss(params))
-
-
-def _least_squares():
-  k1, k2 = jax.random.split(jax.random.key(0))
-  target = jax.random.normal(k2, (256, 256))
-  loss = lambda p: jnp.mean((p["w"] @ target - target) ** 2)
-  return loss, {"w": 0.02 * jax.random.normal(k1, (256, 256))}
-
-
-def _teacher_mlp():
-  k = jax.random.split(jax.random.key(0), 5)
-  x = jax.random.normal(k[0], (512, 64))
-  y = jnp.tanh(x @ (jax.random.normal(k[1], (64, 256)) / 8)) @ (
-      jax.random.normal(k[2], (256, 32)) / 16)
-  loss = lambda p: jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"] - y) ** 2)
-  return loss, {"a": jax.random.normal(k[3], (64, 256)) / 8,
-                "b": jax.random.normal(k[4], (256, 32)) / 16}
-
-
 @pytest.mark.parametrize("problem,lr,steps,limit", [
-    (_least_squares, 1e-3, 300, 1.5), (_teacher_mlp, 3e-3, 500, 2.0)],
+    (recipe_ablation.least_squares, 1e-3, 300, 1.5), (recipe_ablation.teacher_mlp, 3e-3, 500, 2.0)],
     ids=["least_squares", "teacher_mlp"])
 def test_default_recipe_tracks_fp32_adam(problem, lr, steps, limit):
-  loss, params = problem()
-  reference = _train(optax.adam(lr), loss, params, steps)
-  default = _train(optax4bit.adam_4bit(lr, min_quantize_size=0), loss, params, steps)
-  paper = _train(optax4bit.adam_4bit(lr, recipe="paper", min_quantize_size=0), loss, params,
-                 steps)
+  loss, params = problem(0)
+  train = lambda tx: recipe_ablation.train(tx, loss, params, steps)[0]
+  reference = train(optax.adam(lr))
+  default = train(optax4bit.adam_4bit(lr, min_quantize_size=0))
+  paper = train(optax4bit.adam_4bit(lr, recipe="paper", min_quantize_size=0))
   assert default / reference <= limit, (default, reference)
   assert paper / reference > limit, "the problem no longer separates the recipes"
