@@ -73,8 +73,8 @@ def adam_4bit(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
-      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
+      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.pallas.dispatch`).
 
@@ -153,8 +153,8 @@ def adamw_4bit(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
-      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
+      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.pallas.dispatch`).
 
@@ -227,8 +227,8 @@ def adamw_4bit_factor(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
-      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
+      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.pallas.dispatch`).
 
@@ -296,8 +296,8 @@ def adamw_8bit(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
-      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
+      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.pallas.dispatch`).
 
@@ -345,8 +345,8 @@ def sgdm_4bit(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` on CPU for Adam's default
-      quantizers, jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
+      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.pallas.dispatch`).
 

@@ -225,8 +225,8 @@ _QUANT_ARGS_DOC = """recipe: ``"default"`` (first moment ``B128/NF`` with stocha
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
-      the compiled kernel of `optax4bit.cpu` for Adam's default quantizers,
-      where it is installed; the jnp reference elsewhere), ``"jnp"``,
+      the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
+      installed and beats the jnp path (AVX-512); the jnp reference elsewhere), ``"jnp"``,
       ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
       interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
       see `optax4bit.pallas.dispatch`. Leaves the kernels do not cover

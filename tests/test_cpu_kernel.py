@@ -140,13 +140,24 @@ def test_kernel_bf16_grads_and_auto_dispatch():
   u_auto, s_auto = jax.jit(auto.update)(grads, auto.init(params), params)
   assert u_auto["w"].dtype == jnp.bfloat16
   assert_close(compare_states(s_ref, s_auto), compare_updates(u_ref, u_auto))
-  # On the CPU backend "auto" picks the kernel: its custom call is in the HLO.
-  hlo = jax.jit(auto.update).lower(grads, auto.init(params), params).as_text()
-  assert "optax4bit_adam_4bit_apply" in hlo
-  # Both recipes: the default one is no longer left to the jnp path.
-  paper = optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe="paper")
-  assert "optax4bit_adam_4bit_apply" in jax.jit(paper.update).lower(
-      grads, paper.init(params), params).as_text()
+  # Both recipes run the kernel when asked for it.
+  for recipe in ("default", "paper"):
+    tx = optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe=recipe, implementation="cpu")
+    assert "optax4bit_adam_4bit_apply" in jax.jit(tx.update).lower(
+        grads, tx.init(params), params).as_text()
+
+
+@needs_kernel
+@pytest.mark.parametrize("avx512", [True, False])
+def test_auto_runs_the_kernel_only_where_it_is_faster(monkeypatch, avx512):
+  """"auto" decides by ISA: the kernel's AVX-512 build beats the jnp path, its
+  AVX2 and baseline builds do not (issue 15)."""
+  monkeypatch.setattr(optax4bit.cpu.ffi, "_RUNS_AVX512_CLONE", avx512)
+  assert optax4bit.cpu.faster_than_jnp() == avx512
+  params = {"w": jnp.ones((128, 256))}
+  tx = optax4bit.adamw_4bit(1e-3, min_quantize_size=0)
+  hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  assert ("optax4bit_adam_4bit_apply" in hlo) == avx512
 
 
 def test_dispatch_names():

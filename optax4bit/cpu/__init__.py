@@ -1,7 +1,7 @@
 """A fused XLA CPU kernel (C++, ``jax.ffi``) for 4-bit AdamW, both recipes.
 
 On the CPU backend ``implementation="auto"`` (the default of every optimizer)
-runs 2-D leaves quantized with the default recipe (``B128/NF`` stochastic,
+runs, on CPUs where its AVX-512 build runs (`faster_than_jnp`), 2-D leaves quantized with the default recipe (``B128/NF`` stochastic,
 ``Rank-1/SqrtDE-0``) or the paper's (``B128/DE``, ``Rank-1/Linear``) through it;
 ``implementation="cpu"`` asks for it explicitly and ``"jnp"`` turns it off.
 It is built at install time from ``adam_4bit.cc`` when a C++17 compiler is
@@ -14,6 +14,6 @@ Example:
   True
 """
 
-from optax4bit.cpu.ffi import available, unavailable_reason
+from optax4bit.cpu.ffi import available, faster_than_jnp, unavailable_reason
 
-__all__ = ["available", "unavailable_reason"]
+__all__ = ["available", "faster_than_jnp", "unavailable_reason"]

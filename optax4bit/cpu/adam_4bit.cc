@@ -787,6 +787,19 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 // handlers built against older headers, not newer ones.
 extern "C" const char* Optax4bitBuildJaxlibVersion() { return OPTAX4BIT_JAXLIB_VERSION; }
 
+// Whether this CPU runs the x86-64-v4 (AVX-512) clone of the row kernels. The
+// other clones lower the 16-lane table permutes element by element and are
+// slower than XLA's code for the jnp path (issue 15), so "auto" skips them.
+extern "C" int Optax4bitRunsAvx512Clone() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitStats, StatsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -50,7 +50,7 @@ from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.spec import QuantSpec
 
-__all__ = ["available", "unavailable_reason", "covers", "adam_leaf", "CpuSteps"]
+__all__ = ["available", "faster_than_jnp", "unavailable_reason", "covers", "adam_leaf", "CpuSteps"]
 
 _LIBRARY = "_adam_4bit"
 _STATS_TARGET = "optax4bit_adam_4bit_stats"
@@ -90,6 +90,9 @@ def _version_tuple(version: str) -> tuple:
   return tuple(parts)
 
 
+_RUNS_AVX512_CLONE = False  # set by `_load`
+
+
 @functools.cache
 def _load() -> Optional[str]:
   """Loads the library and registers its targets; returns why it cannot."""
@@ -108,6 +111,8 @@ def _load() -> Optional[str]:
   if built == "unknown" or _version_tuple(running) < _version_tuple(built):
     return (f"the compiled CPU kernel was built against jaxlib {built}, newer than the "
             f"installed jaxlib {running} (reinstall optax4bit)")
+  global _RUNS_AVX512_CLONE
+  _RUNS_AVX512_CLONE = bool(library.Optax4bitRunsAvx512Clone())
   jax.ffi.register_ffi_target(
       _STATS_TARGET, jax.ffi.pycapsule(library.Optax4bitAdam4bitStats), platform="cpu")
   jax.ffi.register_ffi_target(
@@ -124,6 +129,21 @@ def available() -> bool:
     True
   """
   return _load() is None
+
+
+def faster_than_jnp() -> bool:
+  """Whether ``implementation="auto"`` runs the kernel on this CPU: only its
+  AVX-512 build beats the jnp path (decided by ISA, never by timing). On
+  AVX2-only x86-64 and on other architectures the kernel is slower (issue
+  15), and ``"auto"`` runs the jnp path; ``implementation="cpu"`` still forces
+  the kernel.
+
+  Example:
+    >>> import optax4bit.cpu
+    >>> isinstance(optax4bit.cpu.faster_than_jnp(), bool)
+    True
+  """
+  return _load() is None and _RUNS_AVX512_CLONE
 
 
 def unavailable_reason() -> Optional[str]:

@@ -4,9 +4,9 @@ Every optimizer of the library takes ``implementation=``:
 
 * ``"auto"`` (default): the Pallas kernels on a CUDA GPU backend
   (``jax.default_backend() == "gpu"``, not ROCm); on the CPU backend the
-  compiled C++ kernel of `optax4bit.cpu` where it is installed (Adam with the
-  default quantizers; everything else runs the jnp reference); the jnp
-  reference elsewhere.
+  compiled C++ kernel of `optax4bit.cpu` where it is installed and faster than
+  the jnp path (its AVX-512 build; 4-bit AdamW only, everything else runs the
+  jnp reference); the jnp reference elsewhere.
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
 * ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
   construction if it is not installed.
@@ -220,7 +220,7 @@ def fused_steps(implementation: Implementation):
   `optax4bit.cpu.ffi.CpuSteps`), or None for the jnp reference. Call while
   tracing the update (``"auto"`` looks at the backend)."""
   if implementation == "cpu" or (implementation == "auto" and jax.default_backend() == "cpu"
-                                 and _cpu.available()):
+                                 and _cpu.faster_than_jnp()):
     return _cpu_ffi.CpuSteps()
   config = resolve(implementation)
   return None if config is None else FusedSteps(config.options)
