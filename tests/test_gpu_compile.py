@@ -1,0 +1,136 @@
+"""Every Pallas kernel compiled for real GPUs without a GPU (issue 16).
+
+`benchmarks/gpu_compile.py` lowers each kernel for CUDA, reads the Triton
+module that JAX embeds in the ``__gpu$xla.gpu.triton`` custom call and
+compiles it with the ``triton`` package from PyPI for sm_75, sm_80, sm_89
+and sm_90a through ptxas. These tests fail on a compile error, on any spill,
+on registers above `REGISTER_BUDGET`, and, with a `TritonDriftError` that
+says so, when the installed triton cannot parse JAX's Triton IR.
+
+The tests that compile need ``pip install -e .[gpu-check]`` (a pinned
+triton) and are skipped without it; the extraction of the Triton modules and
+the occupancy arithmetic are checked everywhere. The full matrix is marked
+slow (about 2.5 minutes on 2 CPU cores): ``pytest -m slow tests/test_gpu_compile.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_compile.py"
+_spec = importlib.util.spec_from_file_location("optax4bit_gpu_compile", _PATH)
+gpu_compile = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = gpu_compile  # dataclasses look their module up
+_spec.loader.exec_module(gpu_compile)
+
+# Registers per thread that no kernel may exceed, on any architecture.
+# Issue 16's goal is <= 128 (>= 25% occupancy on sm_80/sm_90); it is NOT met:
+# with triton 3.8.0 and jax 0.10.2 the fused optimizer steps use 96-188
+# registers on a (1024, 2048) leaf and up to 255, ptxas's maximum, on the
+# ragged (300, 301) one (benchmarks/RESULTS.md). This budget is today's
+# maximum, so for now the check proves "compiles, no spills" and no more;
+# lower it as the kernels are tuned, down to REGISTER_GOAL.
+REGISTER_BUDGET = 255
+REGISTER_GOAL = 128  # issue 16; not asserted yet
+
+# Configurations whose quantizers have no Pallas kernel today (stochastic
+# rounding): their lowering may hold no Triton kernel (they run the jnp path).
+# Every other case must lower to at least one kernel.
+MAY_HAVE_NO_KERNEL = {"adamw_4bit default", "adamw_4bit_factor default", "sgdm_4bit default"}
+
+
+@pytest.fixture(scope="module")
+def triton():
+  return pytest.importorskip("triton", reason="pip install -e .[gpu-check] to compile kernels")
+
+
+def _check(rows):
+  compiled = [r for r in rows if r.registers is not None]
+  problems = [gpu_compile.format_row(r) for r in compiled
+              if r.spills or r.stack_bytes or r.registers > REGISTER_BUDGET]
+  assert not problems, (f"spills, stack frames or more than {REGISTER_BUDGET} registers "
+                        "per thread:\n" + "\n".join([gpu_compile._HEADER] + problems))
+  for r in compiled:
+    assert 0 < r.occupancy <= 1 and r.shared_bytes >= 0, r
+
+
+# --- Without triton: extracting JAX's Triton modules, and the arithmetic. ---
+
+
+def test_triton_modules_are_read_from_the_cuda_lowering():
+  fn, args = gpu_compile.CASES["adamw_4bit paper"](jnp.dtype("float32"), (300, 301))
+  kernels = gpu_compile.triton_kernels(fn, *args)
+  assert [k.name for k in kernels] == ["optax4bit_step", "optax4bit_encode"]
+  for k in kernels:
+    assert k.ttir.startswith("module") and f"tt.func public @{k.name}(" in k.ttir
+    assert "loc(" not in k.ttir  # printed without debug locations
+    assert k.num_warps == 4 and k.num_stages == 1 and k.grid[2] == 1
+  moved = gpu_compile.traffic(kernels[0], 300 * 301, "float32")
+  # Pass 1 reads the gradient and writes the update (4 bytes each), reads
+  # both moments' codes and writes the first moment's (0.5 byte each); pass 2
+  # re-reads the gradient, reads and writes the second moment's codes.
+  assert moved["gradient"] == 4 and moved["update"] == 4
+  assert moved["codes"] == pytest.approx(3 * 0.5, rel=0.02)
+  moved = gpu_compile.traffic(kernels[1], 300 * 301, "float32")
+  assert moved["gradient"] == 4 and moved["update"] == 0
+  assert moved["codes"] == pytest.approx(2 * 0.5, rel=0.02)
+
+
+def test_occupancy_matches_the_cuda_calculator():
+  # 237 registers, 4 warps: 2 blocks of 128 threads per SM (issue 16).
+  assert gpu_compile.occupancy(237, 2048, 4, 80) == 8 / 64
+  assert gpu_compile.occupancy(128, 2048, 4, 80) == 16 / 64
+  assert gpu_compile.occupancy(128, 2048, 4, 89) == 16 / 48
+  assert gpu_compile.occupancy(64, 0, 4, 75) == 1.0
+  assert gpu_compile.occupancy(32, 0, 4, 90) == 1.0
+  assert gpu_compile.occupancy(255, 0, 4, 90) == 8 / 64
+  # Shared memory: 100 KiB per block leaves room for one block on an A100.
+  assert gpu_compile.occupancy(32, 100 * 1024, 4, 80) == 4 / 64
+
+
+# --- With triton: compiled through ptxas. ---
+
+
+def test_triton_is_the_release_validated_with_this_jaxlib(triton):
+  """Drift between jaxlib's bundled Triton and PyPI's fails here, by name,
+  rather than passing with numbers from a mismatched compiler."""
+  del triton
+  problems = gpu_compile.version_drift()
+  assert not problems, "\n".join(problems)
+  pyproject = (_PATH.parents[1] / "pyproject.toml").read_text()
+  assert f'"triton=={gpu_compile.VALIDATED["triton"]};' in pyproject
+
+
+def test_fused_adam_step_compiles_for_sm80(triton):
+  del triton
+  rows = gpu_compile.run_matrix(["adamw_4bit paper"], ["float32"], ["regular"], ["sm_80"])
+  assert [r.kernel for r in rows] == ["step", "encode"]
+  _check(rows)
+
+
+def test_a_module_triton_cannot_parse_is_reported_as_drift(triton, tmp_path):
+  del triton
+  fn, args = gpu_compile.CASES["sgdm_4bit paper"](jnp.dtype("float32"), (300, 301))
+  (kernel,) = gpu_compile.triton_kernels(fn, *args)
+  future = dataclasses.replace(kernel, ttir=kernel.ttir.replace("tt.make_range",
+                                                                "tt.make_range_v2"))
+  with pytest.raises(gpu_compile.TritonDriftError, match="drifted apart") as error:
+    gpu_compile.compile_kernel(future, "sm_80", str(tmp_path))
+  assert "tt.make_range_v2" in str(error.value)  # MLIR's diagnostic is kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(gpu_compile.CASES))
+def test_every_kernel_compiles_for_four_architectures(triton, case):
+  del triton
+  rows = gpu_compile.run_matrix([case])
+  if case not in MAY_HAVE_NO_KERNEL:
+    assert all(r.registers is not None for r in rows), f"{case}: no Pallas kernel"
+  assert {r.arch for r in rows if r.registers is not None} in (set(), set(gpu_compile.ARCHS))
+  _check(rows)
