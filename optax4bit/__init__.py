@@ -13,7 +13,9 @@ from optax4bit.alias import (
     adamw_4bit,
     adamw_4bit_factor,
     adamw_8bit,
+    ademamix_4bit,
     inject_hyperparams,
+    lion_4bit,
     sgdm_4bit,
 )
 from optax4bit.quant import QuantizedArray, QuantSpec, dequantize, qmap, quantize
@@ -28,15 +30,9 @@ from optax4bit.transform import (
     scale_by_momentum_4bit,
     state_nbytes,
 )
-from optax4bit.wrappers import (
-    KNOWN_STATE_FIELDS,
-    QuantizedState,
-    ademamix_4bit,
-    lion_4bit,
-    quantize_state,
-)
+from optax4bit.wrappers import KNOWN_STATE_FIELDS, QuantizedState, quantize_state
 from optax4bit import diagnostics  # submodule; its plots import matplotlib lazily
-from optax4bit import recipes
+from optax4bit import recipes  # submodule: recipe names and resolve()
 
 __version__ = "0.1.0"
 
@@ -61,6 +57,7 @@ __all__ = [
     "qmap",
     "quantize",
     "quantize_state",
+    "recipes",
     "scale_by_adam_4bit",
     "scale_by_factored_adam_4bit",
     "scale_by_momentum_4bit",

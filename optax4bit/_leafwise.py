@@ -1,4 +1,4 @@
-"""Per-leaf, chunked updates of quantized moments (SPEC.md 3 and 4).
+"""Per-leaf, chunked updates of quantized moments: the jnp engine.
 
 An optimizer step is an elementwise function of the gradient and the old
 moments that returns the update and the new moments. This module runs such a
@@ -24,18 +24,17 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from optax4bit import sharding as _sharding
+from optax4bit._validation import DEFAULT_CHUNK_SIZE
 from optax4bit.quant import array as qarray
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
-
-DEFAULT_CHUNK_SIZE = 1 << 18
 
 # step_fn(grad_f32, old_moments_f32, side_inputs) -> (update_f32, new_moments_f32)
 StepFn = Callable[[jax.Array, tuple, tuple], tuple]
@@ -99,21 +98,9 @@ class _MomentPlan(NamedTuple):
 def _plan(moment) -> _MomentPlan:
   if not isinstance(moment, QuantizedArray):
     return _MomentPlan(False, 1, ())
-  ndim, layout = moment.ndim, moment.layout
-  codes_factor = 2 if (ndim == 1 and moment.spec.bits == 4) else 1
-  if layout.normalization == "block":
-    if ndim == 1:
-      factor = layout.block_size
-    elif ndim == 2:
-      factor = layout.rows_per_block
-    else:
-      factor = 1
-    scale_factors = (factor,)
-  elif layout.normalization == "rank1":
-    scale_factors = (1,) + (None,) * (ndim - 1)
-  else:
-    scale_factors = (None,)
-  return _MomentPlan(True, codes_factor, scale_factors)
+  codes_factor, *scale_factors = normalize.row_factors(moment.layout, moment.ndim,
+                                                       moment.spec.bits)
+  return _MomentPlan(True, codes_factor, tuple(scale_factors))
 
 
 def _chunk_rows(shape: tuple, plans: Sequence[_MomentPlan], chunk_size: int) -> int:
@@ -277,71 +264,63 @@ def _decode_chunk(moment, plan: _MomentPlan, chunk, rows, row_shape):
                        shape)
 
 
-def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce_scales=None):
-  num_rows, row_shape = grad.shape[0], grad.shape[1:]
-  num_full = num_rows // rows
-  tail = num_rows - num_full * rows
-  align = _chunk_rows(grad.shape, plans, 0)
-  offset = _ROW_OFFSET.get()  # a runtime 0 that orders leaves (sequential_map)
+class _Schedule(NamedTuple):
+  """Chunks of rows of one leaf. Chunk ``c`` covers rows ``[start(c),
+  start(c) + rows)``. Where alignment allows, the last chunk starts at
+  ``num_rows - rows``, inside the one before it (``overlap_last``); otherwise
+  a ragged ``tail`` is handled on its own (XLA may then copy buffers)."""
+  num_rows: int
+  rows: int
+  count: int          # chunks run by the loops
+  overlap_last: bool
+  tail: int           # rows of the ragged tail (0: none)
+  offset: Any         # sequential_map's runtime zero, added to every start
 
-  def run_step(grad_rows, buffers, start, size):
+  def start(self, c):
+    local = jnp.minimum(c * self.rows, self.num_rows - self.rows) if self.overlap_last else (
+        c * self.rows)
+    return self.offset + local
+
+  @property
+  def tail_start(self):
+    return self.offset + self.count * self.rows
+
+
+def _schedule(num_rows: int, rows: int, align: int) -> _Schedule:
+  num_full = num_rows // rows
+  overlap_last = num_full * rows < num_rows and (num_rows - rows) % align == 0
+  tail = 0 if overlap_last else num_rows - num_full * rows
+  return _Schedule(num_rows, rows, num_full + int(overlap_last), overlap_last, tail,
+                   _ROW_OFFSET.get())
+
+
+class _LeafBuffers(NamedTuple):
+  """How chunks of one leaf's buffers are read and written: the gradient
+  buffer (where the update goes) and each moment's codes and scales."""
+  step_fn: StepFn
+  moments: tuple
+  plans: tuple
+  side: tuple
+  num_rows: int
+  row_shape: tuple
+
+  def run_step(self, grad_buf, bufs, start, size):
     """The step on a chunk, unmaterialized: callers materialize what they use
     (a barrier around all outputs would keep XLA from dropping the unused)."""
-    g = _take_rows(grad_rows, start, size, 1).astype(compute_dtype(grad_rows))
-    old = tuple(_decode_chunk(m, p, _slice_chunk(p, b, start, size), size, row_shape)
-                for m, p, b in zip(moments, plans, buffers))
-    return step_fn(g, old, _chunk_side(side, num_rows, start, size))
+    g = _take_rows(grad_buf, start, size, 1).astype(compute_dtype(grad_buf))
+    old = tuple(_decode_chunk(m, p, _slice_chunk(p, b, start, size), size, self.row_shape)
+                for m, p, b in zip(self.moments, self.plans, bufs))
+    return self.step_fn(g, old, _chunk_side(self.side, self.num_rows, start, size))
 
-  def chunk_layout(moment, size):
-    return normalize.layout_for(moment.spec, (size,) + row_shape)
+  def chunk_layout(self, moment, size):
+    return normalize.layout_for(moment.spec, (size,) + self.row_shape)
 
-  # Pass 1 (rank-1 and tensor scales only): the maxima of the new moments.
-  # Nothing is written, so pass 2 still reads every old moment intact.
-  def stats_pass(start, size, chunk_index, carry):
-    del chunk_index
-    grad_buf, bufs, new_global = carry
-    _, new = run_step(grad_buf, bufs, start, size)
-    new = _materialized(tuple(v if p.needs_second_pass else None for v, p in zip(new, plans)))
-    new_global = list(new_global)
-    for i, (moment, plan) in enumerate(zip(moments, plans)):
-      if not plan.needs_second_pass:
-        continue
-      chunk_scales = normalize.compute_scales(normalize.finite_abs(new[i]),
-                                              chunk_layout(moment, size))
-      new_global[i] = tuple(
-          jnp.maximum(acc, s) if f is None else _put_rows(acc, s, start, f)
-          for s, acc, f in zip(chunk_scales, new_global[i], plan.scale_factors))
-    return grad_buf, bufs, tuple(new_global)
-
-  # Pass 2: the step. The update goes where the gradient was and each moment
-  # chunk where it was read from. A chunk's results are written one iteration
-  # later, after the next chunk is computed: a write fused with the reads of
-  # the same buffer makes XLA copy the whole buffer to update it in place.
-  def compute_chunk(grad_buf, bufs, start, size):
-    update, new = _materialized(run_step(grad_buf, bufs, start, size))
-    out = []
-    for i, (moment, plan) in enumerate(zip(moments, plans)):
-      if not plan.quantized:
-        out.append(new[i])
-        continue
-      layout = chunk_layout(moment, size)
-      if plan.needs_second_pass:
-        chunk_scales = tuple(s if f is None else _take_rows(s, start, size, f)
-                             for s, f in zip(new_global[i], plan.scale_factors))
-      else:
-        chunk_scales = normalize.compute_scales(normalize.finite_abs(new[i]), layout)
-      uniform = (_uniform(keys[i], new[i].shape, start)
-                 if moment.spec.stochastic else None)
-      codes = qarray.encode(new[i], chunk_scales, moment.spec, layout, uniform)
-      local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
-      out.append((codes, local))
-    return update.astype(grad.dtype), tuple(out)
-
-  def write_chunk(grad_buf, bufs, results, start):
+  def write(self, grad_buf, bufs, results, start):
+    """Writes a chunk's ``(update, (codes, local scales) per moment)``."""
     update, out = results
     grad_buf = _put_rows(grad_buf, update, start, 1)
     bufs = list(bufs)
-    for i, plan in enumerate(plans):
+    for i, plan in enumerate(self.plans):
       if not plan.quantized:
         bufs[i] = _put_rows(bufs[i], out[i], start, 1)
         continue
@@ -353,10 +332,10 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
       bufs[i] = (_put_rows(codes_buf, codes, start, plan.codes_factor), scales_buf)
     return grad_buf, tuple(bufs)
 
-  def read_stored(grad_buf, bufs, start, size):
-    """What `write_chunk` would write, read back: a no-op first write."""
+  def read_stored(self, grad_buf, bufs, start, size):
+    """What `write` would write, read back: a no-op write."""
     out = []
-    for plan, b in zip(plans, bufs):
+    for plan, b in zip(self.plans, bufs):
       chunk = _slice_chunk(plan, b, start, size)
       if plan.quantized:
         codes, scales = chunk
@@ -364,81 +343,136 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
       out.append(chunk)
     return _take_rows(grad_buf, start, size, 1), tuple(out)
 
-  # Chunk c covers rows [start(c), start(c) + rows). Where alignment allows,
-  # the last chunk starts at num_rows - rows, inside the one before it;
-  # otherwise a ragged tail is handled on its own (XLA may then copy buffers).
-  overlap_last = num_full * rows < num_rows and (num_rows - rows) % align == 0
-  num_chunks = num_full + int(overlap_last)
-  tail = 0 if overlap_last else tail
+  def results_row_factors(self):
+    """Leaf rows per buffer row of each array in a chunk's results."""
+    return (1, tuple(1 if not p.quantized else
+                     (p.codes_factor, () if p.needs_second_pass else p.scale_factors)
+                     for p in self.plans))
 
-  def chunk_start(c):
-    return offset + (jnp.minimum(c * rows, num_rows - rows) if overlap_last else c * rows)
+
+def _stats_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs):
+  """Pass 1 (rank-1 and tensor scales only): the maxima of the new moments.
+  Nothing is written, so pass 2 still reads every old moment intact. The
+  gradient and state buffers ride through the loop's carry unchanged: read
+  through it, XLA lets pass 2 overwrite them in place instead of copying."""
+
+  def stats(start, size, carry):
+    grad_buf, bufs, new_global = carry
+    _, new = leaf.run_step(grad_buf, bufs, start, size)
+    new = _materialized(tuple(v if p.needs_second_pass else None
+                              for v, p in zip(new, leaf.plans)))
+    new_global = list(new_global)
+    for i, (moment, plan) in enumerate(zip(leaf.moments, leaf.plans)):
+      if not plan.needs_second_pass:
+        continue
+      chunk_scales = normalize.compute_scales(normalize.finite_abs(new[i]),
+                                              leaf.chunk_layout(moment, size))
+      new_global[i] = tuple(
+          jnp.maximum(acc, s) if f is None else _put_rows(acc, s, start, f)
+          for s, acc, f in zip(chunk_scales, new_global[i], plan.scale_factors))
+    return grad_buf, bufs, tuple(new_global)
+
+  new_global = tuple(tuple(jnp.zeros_like(s) for s in m.scales) if p.needs_second_pass else ()
+                     for m, p in zip(leaf.moments, leaf.plans))
+  carry = jax.lax.fori_loop(0, sched.count, lambda c, cr: stats(sched.start(c), sched.rows, cr),
+                            (grad_buf, bufs, new_global))
+  if sched.tail:
+    carry = stats(sched.tail_start, sched.tail, carry)
+  return carry
+
+
+def _write_behind(sched: _Schedule, compute: Callable, write: Callable, read_stored: Callable,
+                  keep_written_rows: Callable, grad_buf, bufs):
+  """Runs ``compute(grad_buf, bufs, start, size)`` on every chunk and writes
+  its results with ``write``.
+
+  Results of chunk c are written at iteration c + 1, before chunk c + 1 is
+  read from the written buffers: a write never shares an iteration with the
+  reads of the rows it replaces, so XLA updates every buffer in place (a
+  write unordered with reads of the same buffer makes it copy the whole
+  buffer). A ragged tail is computed before the loop (the loop carries its
+  results, so its reads come before any write) and written last.
+  """
+
+  def body(c, carry):
+    grad_buf, bufs, pending, tail_results = carry
+    grad_buf, bufs = write(grad_buf, bufs, pending, sched.start(jnp.maximum(c - 1, 0)))
+    results = compute(grad_buf, bufs, sched.start(c), sched.rows)
+    if sched.overlap_last:
+      results = keep_written_rows(
+          results, read_stored(grad_buf, bufs, sched.start(c), sched.rows), c)
+    return grad_buf, bufs, results, tail_results
+
+  tail_results = compute(grad_buf, bufs, sched.tail_start, sched.tail) if sched.tail else ()
+  stored = read_stored(grad_buf, bufs, sched.start(0), sched.rows)  # a no-op write at c = 0
+  grad_buf, bufs, pending, tail_results = jax.lax.fori_loop(
+      0, sched.count, body, (grad_buf, bufs, stored, tail_results))
+  grad_buf, bufs = write(grad_buf, bufs, pending, sched.start(sched.count - 1))
+  if sched.tail:
+    grad_buf, bufs = write(grad_buf, bufs, tail_results, sched.tail_start)
+  return grad_buf, bufs
+
+
+def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global, keys,
+                update_dtype):
+  """Pass 2: the step. The update goes where the gradient was and each
+  moment chunk where it was read from; moments with rank-1 or tensor scales
+  are encoded with ``new_global`` (from `_stats_pass`), block-wise ones with
+  their chunk's own scales."""
+
+  def compute(grad_buf, bufs, start, size):
+    update, new = _materialized(leaf.run_step(grad_buf, bufs, start, size))
+    out = []
+    for i, (moment, plan) in enumerate(zip(leaf.moments, leaf.plans)):
+      if not plan.quantized:
+        out.append(new[i])
+        continue
+      layout = leaf.chunk_layout(moment, size)
+      if plan.needs_second_pass:
+        chunk_scales = tuple(s if f is None else _take_rows(s, start, size, f)
+                             for s, f in zip(new_global[i], plan.scale_factors))
+      else:
+        chunk_scales = normalize.compute_scales(normalize.finite_abs(new[i]), layout)
+      uniform = _uniform(keys[i], new[i].shape, start) if moment.spec.stochastic else None
+      codes = qarray.encode(new[i], chunk_scales, moment.spec, layout, uniform)
+      local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
+      out.append((codes, local))
+    return update.astype(update_dtype), tuple(out)
 
   def keep_written_rows(results, stored, c):
     """The overlapping last chunk reads rows the chunk before it has already
     written: for those rows keep what is stored (final) instead of results
     computed from new values."""
-    start = jnp.minimum(c * rows, num_rows - rows)
-    # Leaf rows per buffer row of each array in `compute_chunk`'s results.
-    factors = (1, tuple(1 if not p.quantized else
-                        (p.codes_factor, () if p.needs_second_pass else p.scale_factors)
-                        for p in plans))
+    start = jnp.minimum(c * sched.rows, sched.num_rows - sched.rows)
 
     def keep(new, old, factor):
       first_row = start + factor * jnp.arange(new.shape[0])
-      fresh = (first_row >= c * rows).reshape((-1,) + (1,) * (new.ndim - 1))
+      fresh = (first_row >= c * sched.rows).reshape((-1,) + (1,) * (new.ndim - 1))
       return jnp.where(fresh, new, old)
 
-    return jax.tree.map(keep, results, stored, factors)
+    return jax.tree.map(keep, results, stored, leaf.results_row_factors())
 
-  def run_stats(carry):
-    carry = jax.lax.fori_loop(
-        0, num_chunks, lambda c, cr: stats_pass(chunk_start(c), rows, c, cr), carry)
-    if tail:
-      carry = stats_pass(offset + num_full * rows, tail, num_full, carry)
-    return carry
+  return _write_behind(sched, compute, leaf.write, leaf.read_stored, keep_written_rows,
+                       grad_buf, bufs)
 
-  buffers = tuple((m.codes, m.scales) if p.quantized else m for m, p in zip(moments, plans))
-  new_global = tuple(tuple(jnp.zeros_like(s) for s in m.scales) if p.needs_second_pass else ()
-                     for m, p in zip(moments, plans))
-  grad_buf = grad
+
+def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce_scales=None):
+  """`update_leaf` in chunks of ``rows`` rows: `_stats_pass` if a moment has
+  rank-1 or tensor scales, then `_apply_pass`."""
+  leaf = _LeafBuffers(step_fn, moments, plans, side, grad.shape[0], grad.shape[1:])
+  sched = _schedule(grad.shape[0], rows, _chunk_rows(grad.shape, plans, 0))
+  bufs = tuple((m.codes, m.scales) if p.quantized else m for m, p in zip(moments, plans))
+  grad_buf, new_global = grad, ()
   if any(p.needs_second_pass for p in plans):
-    # The gradient and state buffers ride through the stats loop unchanged:
-    # read through its carry, XLA can then let the apply loop overwrite them
-    # in place instead of copying them first.
-    grad_buf, buffers, new_global = run_stats((grad_buf, buffers, new_global))
+    grad_buf, bufs, new_global = _stats_pass(leaf, sched, grad_buf, bufs)
     if reduce_scales is not None:
       new_global = tuple(reduce_scales(g, m.layout) if p.needs_second_pass else g
                          for g, m, p in zip(new_global, moments, plans))
-
-  # Results of chunk c are written at iteration c + 1, before chunk c + 1 is
-  # read from the written buffers: a write never shares an iteration with the
-  # reads of the rows it replaces, so XLA updates every buffer in place (a
-  # write unordered with reads of the same buffer makes it copy the whole
-  # buffer). A ragged tail is computed before the loop (the loop carries its
-  # results, so its reads come before any write) and written last.
-  def apply_body(c, carry):
-    grad_buf, bufs, pending, tail_results = carry
-    grad_buf, bufs = write_chunk(grad_buf, bufs, pending, chunk_start(jnp.maximum(c - 1, 0)))
-    results = compute_chunk(grad_buf, bufs, chunk_start(c), rows)
-    if overlap_last:
-      results = keep_written_rows(
-          results, read_stored(grad_buf, bufs, chunk_start(c), rows), c)
-    return grad_buf, bufs, results, tail_results
-
-  tail_results = (compute_chunk(grad_buf, buffers, offset + num_full * rows, tail)
-                  if tail else ())
-  stored = read_stored(grad_buf, buffers, chunk_start(0), rows)  # a no-op write at c = 0
-  carry = (grad_buf, buffers, stored, tail_results)
-  grad_buf, buffers, pending, tail_results = jax.lax.fori_loop(
-      0, num_chunks, apply_body, carry)
-  grad_buf, buffers = write_chunk(grad_buf, buffers, pending, chunk_start(num_chunks - 1))
-  if tail:
-    grad_buf, buffers = write_chunk(grad_buf, buffers, tail_results, offset + num_full * rows)
+  grad_buf, bufs = _apply_pass(leaf, sched, grad_buf, bufs, new_global, keys, grad.dtype)
   # Unfused from what the caller does next, the last writes stay in place.
-  update_buf, buffers = _materialized((grad_buf, buffers))
+  update_buf, bufs = _materialized((grad_buf, bufs))
   new_moments = []
-  for moment, plan, buf, glob in zip(moments, plans, buffers, new_global):
+  for moment, plan, buf, glob in zip(moments, plans, bufs, new_global or ((),) * len(plans)):
     if not plan.quantized:
       new_moments.append(buf)
       continue
@@ -457,30 +491,42 @@ def stored_value(x: jax.Array) -> jax.Array:
   return x.reshape(-1)[0]
 
 
-def _zero_after(result) -> jax.Array:
+def _zero_after(result):
   """An int32 0 that XLA cannot compute before the leaf step that returned
-  ``result = (update, new_moments)`` has finished: the sign bit of one stored
-  value shifted out (``(u >> 31) >> 1``, which XLA does not fold).
+  ``result = (update, stored)`` has finished: the sign bit of a stored value
+  shifted out (``(u >> 31) >> 1``, which XLA does not fold). A Python 0
+  outside ``jit`` (nothing to schedule) or when there is nothing to wait for.
 
-  The value is read from what the step's last pass writes and nothing changes
-  afterwards: the new codes, and block-wise scales (rank-1 and tensor scales
-  come from the first pass). Reading the update instead would keep it alive
+  The values are read from what the step writes last and nothing changes
+  afterwards: the codes of every quantized moment in ``stored``, and
+  block-wise scales (rank-1 and tensor scales come from the first pass).
+  Reading the update instead (only when nothing is quantized) keeps it alive
   past the caller's in-place transforms of it (weight decay, learning rate),
-  and XLA would then copy the gradient under it first."""
-  update, moments = result
+  and XLA then copies the gradient under it first."""
+  update, stored = result
   written_last = []
-  for moment in jax.tree.leaves(moments, is_leaf=lambda x: isinstance(x, QuantizedArray)):
+  for moment in jax.tree.leaves(stored, is_leaf=qarray.is_quantized):
     if isinstance(moment, QuantizedArray):
       written_last.append(moment.codes)
       if not _plan(moment).needs_second_pass:
         written_last.extend(moment.scales)
-  candidates = written_last or [update]
+  candidates = written_last or ([] if update is None else [update])
+  if not candidates or not isinstance(candidates[0], jax.core.Tracer):
+    return 0
   if _sharding.leaf_sharding(candidates[0]) is not None:
     candidates = [min(candidates, key=lambda x: x.size)]  # the cheapest to reduce
-  value = jnp.real(stored_value(candidates[0])).astype(jnp.float32)
-  word = jax.lax.bitcast_convert_type(value, jnp.uint32)
-  return jax.lax.shift_right_logical(
-      jax.lax.shift_right_logical(word, np.uint32(31)), np.uint32(1)).astype(jnp.int32)
+  else:
+    # One element of each array: moments encoded by separate computations
+    # (quantize_state's whole-leaf path) all finish before the next leaf.
+    candidates = [x for x in candidates if x.dtype == jnp.uint8] or candidates[:1]
+  zero = None
+  for x in candidates:
+    value = jnp.real(stored_value(x)).astype(jnp.float32)
+    word = jax.lax.bitcast_convert_type(value, jnp.uint32)
+    bit = jax.lax.shift_right_logical(
+        jax.lax.shift_right_logical(word, np.uint32(31)), np.uint32(1)).astype(jnp.int32)
+    zero = bit if zero is None else zero | bit
+  return zero
 
 
 _ROW_OFFSET = contextvars.ContextVar("optax4bit_row_offset", default=0)
@@ -488,12 +534,16 @@ _ROW_OFFSET = contextvars.ContextVar("optax4bit_row_offset", default=0)
 
 def sequential_map(fn: Callable, *leaf_lists: Sequence) -> list:
   """``[fn(*args) for args in zip(*leaf_lists)]``, run by XLA one call after
-  another so that their temporaries never coexist.
+  another so that their temporaries never coexist; ``fn`` returns
+  ``(update, stored)`` (``stored``: the leaf's new state).
 
-  XLA's scheduler ignores ``optimization_barrier`` orderings here, so every
-  row offset that `update_leaf` computes inside call ``i + 1`` is shifted by a
-  runtime zero derived from call ``i``'s result: a data dependence that keeps
-  call ``i + 1`` (and everything it slices before its loops) after call ``i``.
+  This is the one mechanism that orders leaves. XLA's scheduler ignores
+  ``optimization_barrier`` orderings here (XLA:CPU drops them before
+  scheduling), so call ``i + 1`` runs with a runtime zero derived from call
+  ``i``'s stored codes (`_zero_after`): `update_leaf` adds it to every row
+  offset it slices at, and `after_previous_leaf` subtracts it from whole
+  inputs. Either is a data dependence that keeps call ``i + 1`` after call
+  ``i``.
   """
   results = []
   for args in zip(*leaf_lists):
@@ -503,3 +553,20 @@ def sequential_map(fn: Callable, *leaf_lists: Sequence) -> list:
     finally:
       _ROW_OFFSET.reset(token)
   return results
+
+
+def after_previous_leaf(tree):
+  """``tree`` with every floating array ``x`` replaced by ``x - 0``, the zero
+  of `sequential_map`: bit-identical values (``x - (+0.0) == x``, signed
+  zeros, infs and NaNs included) that XLA computes only after the previous
+  leaf. For steps that do not go through `update_leaf`'s row offsets."""
+  zero = _ROW_OFFSET.get()
+  if isinstance(zero, int):
+    return tree
+
+  def tie(x):
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+      return x - zero.astype(x.dtype)
+    return x
+
+  return jax.tree.map(tie, tree)

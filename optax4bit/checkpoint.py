@@ -40,6 +40,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from optax4bit.quant import array as qarray
 from optax4bit.quant.array import QuantizedArray
 
 __all__ = ["CheckpointMismatchError", "abstract", "describe", "restore", "save",
@@ -52,10 +53,6 @@ META_ITEM = "optax4bit"
 
 class CheckpointMismatchError(ValueError):
   """The checkpoint was written by another optimizer or quantizer config."""
-
-
-def _is_quantized(x) -> bool:
-  return isinstance(x, QuantizedArray)
 
 
 def _describe_leaf(x) -> dict:
@@ -72,7 +69,7 @@ def describe(tree) -> dict:
   """A JSON-able description of every leaf of ``tree``: its path and, for a
   `QuantizedArray`, its quantizer, logical shape and dtype (arrays: shape and
   dtype). Works for arrays and ``jax.ShapeDtypeStruct`` alike."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_quantized)[0]
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=qarray.is_quantized)[0]
   return {"format": FORMAT,
           "leaves": {jax.tree_util.keystr(path): _describe_leaf(x) for path, x in leaves}}
 

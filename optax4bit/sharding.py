@@ -1,6 +1,6 @@
 """Sharded 4-bit states: they follow the parameters' ``PartitionSpec``.
 
-Codes and scales keep the parameter's rank (SPEC.md 5), so a state array
+Codes and scales keep the parameter's rank (`QuantizedArray`), so a state array
 takes its parameter's spec axis by axis; an axis of length 1 in the state
 (a rank-1 statistic of another axis, a tensor scale, a factored row or
 column) is replicated along that axis:
@@ -63,6 +63,7 @@ import jax
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from optax4bit.quant import array as qarray
 from optax4bit.quant import normalize
 from optax4bit.quant.array import QuantizedArray
 
@@ -192,6 +193,17 @@ def _is_explicit(sharding: NamedSharding) -> bool:
   return any(t == AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ()))
 
 
+def shardings_like_param(sharding: NamedSharding, param_shape: tuple, tree):
+  """The ``NamedSharding`` of every array of ``tree``, a state subtree of a
+  parameter of shape ``param_shape`` placed by ``sharding`` (see
+  `state_partition_spec`). Raises if a quantized array cannot be split so."""
+  for q in jax.tree.leaves(tree, is_leaf=qarray.is_quantized):
+    if isinstance(q, QuantizedArray):
+      check_alignment(q, sharding.mesh, sharding.spec)
+  return jax.tree.map(lambda x: NamedSharding(
+      sharding.mesh, state_partition_spec(sharding.spec, param_shape, tuple(x.shape))), tree)
+
+
 def follow_param(param, make: Callable[[], Any]):
   """``make()`` (a state subtree of one parameter), placed like ``param``.
 
@@ -202,25 +214,12 @@ def follow_param(param, make: Callable[[], Any]):
   sharding = leaf_sharding(param, replicated=not _is_tracer(param))
   if sharding is None:
     return make()
-  shape = tuple(param.shape)
-
-  def spec_of(x):
-    return state_partition_spec(sharding.spec, shape, tuple(x.shape))
-
-  for q in jax.tree.leaves(jax.eval_shape(make), is_leaf=_is_quantized):
-    if isinstance(q, QuantizedArray):
-      check_alignment(q, sharding.mesh, sharding.spec)
+  out = shardings_like_param(sharding, tuple(param.shape), jax.eval_shape(make))
   if _is_tracer(param):
     if not _is_explicit(sharding):
       return make()
-    return jax.tree.map(
-        lambda x: jax.sharding.reshard(x, NamedSharding(sharding.mesh, spec_of(x))), make())
-  out = jax.tree.map(lambda x: NamedSharding(sharding.mesh, spec_of(x)), jax.eval_shape(make))
+    return jax.tree.map(jax.sharding.reshard, make(), out)
   return jax.jit(make, out_shardings=out)()
-
-
-def _is_quantized(x) -> bool:
-  return isinstance(x, QuantizedArray)
 
 
 # ----------------------------------------------------------------------------
@@ -320,7 +319,6 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
   counts = _shard_counts(mesh, entries)
   local_shape = _local_shape(shape, counts)
   dim_axes = tuple(_axes(e) for e in entries)
-  used = tuple(a for axes in dim_axes for a in axes)
 
   def spec_of(x):
     return state_partition_spec(spec, shape, tuple(x.shape))

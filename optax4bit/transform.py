@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import functools
-import numbers
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +11,13 @@ import numpy as np
 import optax
 
 from optax4bit import _leafwise
+from optax4bit import _steps
+from optax4bit import _validation
+from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn
 from optax4bit import recipes as _recipes
 from optax4bit import sharding as _sharding
-from optax4bit.pallas import dispatch as _pallas
+from optax4bit import dispatch as _dispatch
 from optax4bit.quant import array as qarray
-from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.spec import QuantSpec, SpecLike
 
 __all__ = [
@@ -29,10 +30,6 @@ __all__ = [
     "scale_by_momentum_4bit",
     "state_nbytes",
 ]
-
-DEFAULT_MIN_QUANTIZE_SIZE = 4096
-MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
-
 
 class ScaleByAdam4bitState(NamedTuple):
   """State of `scale_by_adam_4bit`: like ``optax.ScaleByAdamState``, with each
@@ -66,84 +63,13 @@ class ScaleByMomentum4bitState(NamedTuple):
   trace: optax.Updates
 
 
-# ----------------------------------------------------------------------------
-# Validation helpers.
-
-
-def _is_static_number(x) -> bool:
-  return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def check_hyperparam(name: str, value, *, low=None, high=None, low_open=False,
-                     high_open=False) -> None:
-  """Raises ValueError for a Python number outside its range; arrays,
-  tracers and schedules are not checked (they may be injected)."""
-  if not _is_static_number(value):
-    return
-  v = float(value)
-  bad = not np.isfinite(v)
-  if low is not None:
-    bad |= v <= low if low_open else v < low
-  if high is not None:
-    bad |= v >= high if high_open else v > high
-  if bad:
-    lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
-    hi = "" if high is None else f"{high}" + (")" if high_open else "]")
-    raise ValueError(f"{name} must be in {lo or '(-inf'}, {hi or 'inf)'}, got {value!r}.")
-
-
-def check_static_int(name: str, value, *, minimum: int = 0) -> int:
-  # numpy scalars are Integral; a jax array is refused even when concrete, so
-  # that optax.inject_hyperparams without static_args fails at init already.
-  if isinstance(value, np.ndarray) and value.ndim == 0 and np.issubdtype(value.dtype, np.integer):
-    value = int(value)
-  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-    hint = ""
-    if isinstance(value, jax.Array):
-      hint = (" It was passed as an array, as optax.inject_hyperparams does with every "
-              "number: use optax4bit.inject_hyperparams, or pass "
-              f"static_args=({name!r},).")
-    raise ValueError(f"{name} must be a Python int, got {value!r}.{hint}")
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
-  return int(value)
-
-
-def _resolve_mask(mask: MaskOrFn, params, argname: str) -> list:
-  """Flat list of bools, one per params leaf (prefix masks broadcast)."""
-  leaves, treedef = jax.tree.flatten(params)
-  if mask is None:
-    return [True] * len(leaves)
-  tree = mask(params) if callable(mask) else mask
-  try:
-    full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), tree, params)
-    flags = treedef.flatten_up_to(full)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"{argname} must be a pytree of bools with the structure of the params "
-                     f"(or a prefix of it), or a callable returning one: {e}") from None
-  for flag in flags:
-    if not isinstance(flag, (bool, np.bool_)):
-      raise ValueError(f"{argname} must hold Python bools, got {flag!r} ({type(flag).__name__}).")
-  return [bool(f) for f in flags]
-
-
-def _quantizable(leaf, eligible: bool, min_quantize_size: int) -> bool:
-  return (eligible and hasattr(leaf, "shape") and len(leaf.shape) >= 1
-          and jnp.issubdtype(leaf.dtype, jnp.floating)
-          and int(np.prod(leaf.shape)) > min_quantize_size)
-
-
-def _is_array_like(x) -> bool:
-  return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
 def _state_treedef(tree, num_leaves: int):
   """Structure of the per-leaf state of ``tree``: pytree nodes that wrap one
   array and expose ``shape``/``dtype`` (e.g. ``flax.nnx.Variable``) are
   dropped, so a moment is a plain `QuantizedArray` or array. (Flax's
   ``nnx.Optimizer`` rebuilds a Variable's value from its array leaves, which
   would turn a `QuantizedArray` inside a Variable into a dict.)"""
-  treedef = jax.tree.structure(tree, is_leaf=_is_array_like)
+  treedef = jax.tree.structure(tree, is_leaf=_validation.is_array_like)
   return treedef if treedef.num_leaves == num_leaves else jax.tree.structure(tree)
 
 
@@ -203,13 +129,57 @@ def _zeros_factored(shape: tuple) -> FactoredMoment:
                         jnp.zeros(shape[:-2] + (1,) + shape[-1:], jnp.float32))
 
 
-def _chunk_size(chunk_size) -> int:
-  if chunk_size is None:
-    return _leafwise.DEFAULT_CHUNK_SIZE
-  return check_static_int("chunk_size", chunk_size, minimum=1)
 
 
-_QUANT_ARGS_DOC = """recipe: ``"default"`` (first moment ``B128/NF`` with stochastic rounding,
+
+# ----------------------------------------------------------------------------
+# Adam.
+
+
+def _check_adam_args(b1, b2, eps, eps_root, recipe, first_moment, second_moment) -> tuple:
+  """Validates Adam's hyperparameters; returns the moments' `QuantSpec`s."""
+  _validation.check_hyperparam("b1", b1, low=0, high=1, high_open=True)
+  _validation.check_hyperparam("b2", b2, low=0, high=1, high_open=True)
+  _validation.check_hyperparam("eps", eps, low=0)
+  _validation.check_hyperparam("eps_root", eps_root, low=0)
+  return tuple(_recipes.resolve(recipe, first_moment, second_moment))
+
+
+def scale_by_adam_4bit(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nesterov: bool = False,
+    recipe: str = "default",
+    first_moment: Optional[SpecLike] = None,
+    second_moment: Optional[SpecLike] = None,
+    min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
+    quantize_mask: MaskOrFn = None,
+    seed: int = 0,
+    chunk_size: Optional[int] = None,
+    implementation: _dispatch.Implementation = "auto",
+) -> optax.GradientTransformation:
+  """Rescales updates by the Adam rule with both moments stored quantized.
+
+  The same computation as ``optax.scale_by_adam``: each step decodes the
+  moments, runs the exact float32 update, and encodes the new moments; the
+  update itself uses the precise new moments. Math is float32 whatever the
+  parameter dtype; updates come back in the gradient's dtype.
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: term added to the denominator outside the square root.
+    eps_root: term added to the second moment inside the square root.
+    mu_dtype: dtype of first moments kept unquantized (default float32).
+    nesterov: use Nesterov momentum, as in ``optax.scale_by_adam``.
+    second_moment: quantizer of the second moment (unsigned), overriding the
+      recipe's; a map with a zero code (``"B128/DE"``) shows the paper's
+      zero-point problem.
+    recipe: ``"default"`` (first moment ``B128/NF`` with stochastic rounding,
       second moment ``Rank-1/SqrtDE-0``) or ``"paper"`` (``B128/DE`` and
       ``Rank-1/Linear``, nearest rounding); see `optax4bit.recipes`.
     first_moment: quantizer of the first moment, overriding the recipe's: a
@@ -229,58 +199,8 @@ _QUANT_ARGS_DOC = """recipe: ``"default"`` (first moment ``B128/NF`` with stocha
       installed and beats the jnp path (AVX-512); the jnp reference elsewhere), ``"jnp"``,
       ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
       interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
-      see `optax4bit.pallas.dispatch`. Leaves the kernels do not cover
-      (float32, 8-bit, other quantizers) always use the jnp reference."""
-
-
-# ----------------------------------------------------------------------------
-# Adam.
-
-
-def _check_adam_args(b1, b2, eps, eps_root, recipe, first_moment, second_moment) -> tuple:
-  """Validates Adam's hyperparameters; returns the moments' `QuantSpec`s."""
-  check_hyperparam("b1", b1, low=0, high=1, high_open=True)
-  check_hyperparam("b2", b2, low=0, high=1, high_open=True)
-  check_hyperparam("eps", eps, low=0)
-  check_hyperparam("eps_root", eps_root, low=0)
-  return tuple(_recipes.resolve(recipe, first_moment, second_moment))
-
-
-def scale_by_adam_4bit(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
-    *,
-    nesterov: bool = False,
-    recipe: str = "default",
-    first_moment: Optional[SpecLike] = None,
-    second_moment: Optional[SpecLike] = None,
-    min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
-    quantize_mask: MaskOrFn = None,
-    seed: int = 0,
-    chunk_size: Optional[int] = None,
-    implementation: _pallas.Implementation = "auto",
-) -> optax.GradientTransformation:
-  """Rescales updates by the Adam rule with both moments stored quantized.
-
-  The same computation as ``optax.scale_by_adam``: each step decodes the
-  moments, runs the exact float32 update, and encodes the new moments; the
-  update itself uses the precise new moments. Math is float32 whatever the
-  parameter dtype; updates come back in the gradient's dtype.
-
-  Args:
-    b1: decay rate of the first moment.
-    b2: decay rate of the second moment.
-    eps: term added to the denominator outside the square root.
-    eps_root: term added to the second moment inside the square root.
-    mu_dtype: dtype of first moments kept unquantized (default float32).
-    nesterov: use Nesterov momentum, as in ``optax.scale_by_adam``.
-    second_moment: quantizer of the second moment (unsigned), overriding the
-      recipe's; a map with a zero code (``"B128/DE"``) shows the paper's
-      zero-point problem.
-    {quant_args}
+      see `optax4bit.dispatch`. Leaves the kernels do not cover
+      (float32, 8-bit, other quantizers) always use the jnp reference.
 
   Returns:
     An ``optax.GradientTransformation`` with `ScaleByAdam4bitState`.
@@ -289,24 +209,24 @@ def scale_by_adam_4bit(
     >>> import jax, jax.numpy as jnp, optax, optax4bit
     >>> tx = optax.chain(optax4bit.scale_by_adam_4bit(min_quantize_size=0),
     ...                  optax.scale(-1e-3))
-    >>> params = {{"w": jnp.ones((256, 256))}}
+    >>> params = {"w": jnp.ones((256, 256))}
     >>> state = tx.init(params)
-    >>> updates, state = jax.jit(tx.update)({{"w": jnp.full((256, 256), 0.5)}}, state)
+    >>> updates, state = jax.jit(tx.update)({"w": jnp.full((256, 256), 0.5)}, state)
     >>> round(float(updates["w"][0, 0]), 6)
     -0.001
   """
   m_spec, v_spec = _check_adam_args(b1, b2, eps, eps_root, recipe, first_moment,
                                     second_moment)
-  min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
-  chunk = _chunk_size(chunk_size)
-  implementation = _pallas.check_implementation(implementation)
+  min_quantize_size = _validation.check_static_int("min_quantize_size", min_quantize_size)
+  chunk = _validation.check_chunk_size(chunk_size)
+  implementation = _dispatch.check_implementation(implementation)
   mu_dtype = jnp.float32 if mu_dtype is None else jnp.dtype(mu_dtype)
   stochastic = m_spec.stochastic or v_spec.stochastic
 
   def init_fn(params):
-    flags = _resolve_mask(quantize_mask, params, "quantize_mask")
+    flags = _validation.resolve_mask(quantize_mask, params, "quantize_mask")
     leaves, treedef = _flatten_params(params)
-    quantized = [_quantizable(p, f, min_quantize_size) for p, f in zip(leaves, flags)]
+    quantized = [_validation.quantizable(p, f, min_quantize_size) for p, f in zip(leaves, flags)]
     mu = [_zeros_moment(p, m_spec if q else None, mu_dtype) for p, q in zip(leaves, quantized)]
     nu = [_zeros_moment(p, v_spec if q else None, real=True) for p, q in zip(leaves, quantized)]
     return ScaleByAdam4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(mu),
@@ -316,10 +236,10 @@ def scale_by_adam_4bit(
     del params
     grads, treedef, state_def, flat = _flatten_like(updates, {"mu": state.mu, "nu": state.nu})
     count_inc = optax.safe_increment(state.count)
-    step = adam_step(b1, b2, eps, eps_root, count_inc, nesterov)
+    step = _steps.adam_step(b1, b2, eps, eps_root, count_inc, nesterov)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    fused = _pallas.fused_steps(implementation)
+    fused = _dispatch.fused_steps(implementation)
 
     def leaf_fn(g, m, v, k):
       out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, nesterov, k)
@@ -334,37 +254,6 @@ def scale_by_adam_4bit(
     return new_updates, ScaleByAdam4bitState(count_inc, mu, nu)
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def adam_step(b1, b2, eps, eps_root, count_inc, nesterov):
-  """The elementwise Adam step, arranged exactly as ``optax.scale_by_adam``."""
-  correction1 = 1 - b1**count_inc
-  correction2 = 1 - b2**count_inc
-  correction1_next = 1 - b1**optax.safe_increment(count_inc)
-  # A partial of a module-level function, not a closure: the engine passes
-  # its traced arguments into shard_map explicitly (see _leafwise.update_leaf).
-  return functools.partial(_adam_step, b1, b2, eps, eps_root, correction1, correction2,
-                           correction1_next, nesterov)
-
-
-def _adam_step(b1, b2, eps, eps_root, correction1, correction2, correction1_next, nesterov,
-               g, old, side):
-  del side
-  m, v = old
-  m = (1 - b1) * g + b1 * m
-  # |g|**2 for complex leaves, as optax's update_moment_per_elem_norm.
-  g_squared = jnp.real(g * jnp.conj(g)) if jnp.iscomplexobj(g) else g * g
-  v = (1 - b2) * g_squared + b2 * v
-  if nesterov:
-    m_hat = b1 * (m / correction1_next.astype(m.dtype)) + (1 - b1) * (
-        g / correction1.astype(g.dtype))
-  else:
-    m_hat = m / correction1.astype(m.dtype)
-  v_hat = v / correction2.astype(v.dtype)
-  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m, v)
-
-
-scale_by_adam_4bit.__doc__ = scale_by_adam_4bit.__doc__.format(quant_args=_QUANT_ARGS_DOC)
 
 
 # ----------------------------------------------------------------------------
@@ -408,7 +297,7 @@ def scale_by_factored_adam_4bit(
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
-    implementation: _pallas.Implementation = "auto",
+    implementation: _dispatch.Implementation = "auto",
 ) -> optax.GradientTransformation:
   """Adam with a quantized first moment and a factored second moment.
 
@@ -427,7 +316,28 @@ def scale_by_factored_adam_4bit(
     eps_root: term added to the second moment inside the square root.
     second_moment: quantizer of the second moment of 1-D leaves, overriding
       the recipe's.
-    {quant_args}
+    recipe: ``"default"`` (first moment ``B128/NF`` with stochastic rounding,
+      second moment ``Rank-1/SqrtDE-0``) or ``"paper"`` (``B128/DE`` and
+      ``Rank-1/Linear``, nearest rounding); see `optax4bit.recipes`.
+    first_moment: quantizer of the first moment, overriding the recipe's: a
+      name such as ``"B128/DE"`` (signed) or a `QuantSpec`.
+    min_quantize_size: leaves with at most this many elements keep float32
+      moments (the paper's rule, 4096).
+    quantize_mask: a pytree of bools like the params (or a prefix of it), or a
+      callable of the params returning one; ``False`` leaves keep float32
+      moments (e.g. embeddings or norms).
+    seed: seeds stochastic rounding (only used if a spec has
+      ``stochastic=True``); the key of a step is derived from it and the step
+      count, so runs are reproducible.
+    chunk_size: leaves larger than this many elements are updated in chunks
+      of rows, bounding the transient memory of the update (default 2**18).
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
+      the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
+      installed and beats the jnp path (AVX-512); the jnp reference elsewhere), ``"jnp"``,
+      ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
+      interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
+      see `optax4bit.dispatch`. Leaves the kernels do not cover
+      (float32, 8-bit, other quantizers) always use the jnp reference.
 
   Returns:
     An ``optax.GradientTransformation`` with `ScaleByFactoredAdam4bitState`.
@@ -435,23 +345,23 @@ def scale_by_factored_adam_4bit(
   Example:
     >>> import jax.numpy as jnp, optax4bit
     >>> tx = optax4bit.scale_by_factored_adam_4bit(min_quantize_size=0)
-    >>> state = tx.init({{"w": jnp.ones((64, 32))}})
+    >>> state = tx.init({"w": jnp.ones((64, 32))})
     >>> state.nu["w"].row.shape, state.nu["w"].col.shape
     ((64, 1), (1, 32))
   """
   m_spec, v_spec = _check_adam_args(b1, b2, eps, eps_root, recipe, first_moment,
                                     second_moment)
-  min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
-  chunk = _chunk_size(chunk_size)
-  implementation = _pallas.check_implementation(implementation)
+  min_quantize_size = _validation.check_static_int("min_quantize_size", min_quantize_size)
+  chunk = _validation.check_chunk_size(chunk_size)
+  implementation = _dispatch.check_implementation(implementation)
   stochastic = m_spec.stochastic or v_spec.stochastic
 
   def init_fn(params):
-    flags = _resolve_mask(quantize_mask, params, "quantize_mask")
+    flags = _validation.resolve_mask(quantize_mask, params, "quantize_mask")
     leaves, treedef = _flatten_params(params)
     mu, nu = [], []
     for p, flag in zip(leaves, flags):
-      quantized = _quantizable(p, flag, min_quantize_size)
+      quantized = _validation.quantizable(p, flag, min_quantize_size)
       mu.append(_zeros_moment(p, m_spec if quantized else None))
       if quantized and len(p.shape) >= 2:
         nu.append(_sharding.follow_param(p, functools.partial(_zeros_factored, p.shape)))
@@ -464,15 +374,11 @@ def scale_by_factored_adam_4bit(
     del params
     grads, treedef, state_def, flat = _flatten_like(updates, {"mu": state.mu, "nu": state.nu})
     count_inc = optax.safe_increment(state.count)
-    adam = adam_step(b1, b2, eps, eps_root, count_inc, False)
-    correction1 = 1 - b1**count_inc
-    correction2 = 1 - b2**count_inc
+    adam = _steps.adam_step(b1, b2, eps, eps_root, count_inc, False)
+    factored_step = _steps.factored_step(b1, b2, eps, eps_root, count_inc)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    factored_step = functools.partial(_factored_step, b1, eps, eps_root, correction1,
-                                      correction2)
-
-    fused = _pallas.fused_steps(implementation)
+    fused = _dispatch.fused_steps(implementation)
 
     def leaf_fn(g, m, v, k):
       if not isinstance(v, FactoredMoment):
@@ -494,21 +400,6 @@ def scale_by_factored_adam_4bit(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-scale_by_factored_adam_4bit.__doc__ = scale_by_factored_adam_4bit.__doc__.format(
-    quant_args=_QUANT_ARGS_DOC)
-
-
-def _factored_step(b1, eps, eps_root, correction1, correction2, g, old, side):
-  (m,) = old
-  row, col, row_mean = side
-  m = (1 - b1) * g + b1 * m
-  positive = row_mean > 0
-  v = jnp.where(positive, row * col / jnp.where(positive, row_mean, 1), 0)
-  m_hat = m / correction1.astype(m.dtype)
-  v_hat = v / correction2.astype(v.dtype)
-  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m,)
-
-
 # ----------------------------------------------------------------------------
 # Momentum.
 
@@ -523,7 +414,7 @@ def scale_by_momentum_4bit(
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
-    implementation: _pallas.Implementation = "auto",
+    implementation: _dispatch.Implementation = "auto",
 ) -> optax.GradientTransformation:
   """Heavy-ball momentum (``optax.trace``) with a quantized buffer.
 
@@ -533,7 +424,28 @@ def scale_by_momentum_4bit(
   Args:
     momentum: the decay of the trace.
     nesterov: Nesterov momentum.
-    {quant_args}
+    recipe: ``"default"`` (the trace in ``B128/NF`` with stochastic
+      rounding) or ``"paper"`` (``B128/DE``, nearest rounding); see
+      `optax4bit.recipes`.
+    first_moment: quantizer of the trace, overriding the recipe's: a name
+      such as ``"B128/DE"`` (signed) or a `QuantSpec`.
+    min_quantize_size: leaves with at most this many elements keep float32
+      moments (the paper's rule, 4096).
+    quantize_mask: a pytree of bools like the params (or a prefix of it), or a
+      callable of the params returning one; ``False`` leaves keep float32
+      moments (e.g. embeddings or norms).
+    seed: seeds stochastic rounding (only used if a spec has
+      ``stochastic=True``); the key of a step is derived from it and the step
+      count, so runs are reproducible.
+    chunk_size: leaves larger than this many elements are updated in chunks
+      of rows, bounding the transient memory of the update (default 2**18).
+    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
+      the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
+      installed and beats the jnp path (AVX-512); the jnp reference elsewhere), ``"jnp"``,
+      ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
+      interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
+      see `optax4bit.dispatch`. Leaves the kernels do not cover
+      (float32, 8-bit, other quantizers) always use the jnp reference.
 
   Returns:
     An ``optax.GradientTransformation`` with `ScaleByMomentum4bitState`.
@@ -541,21 +453,21 @@ def scale_by_momentum_4bit(
   Example:
     >>> import jax, jax.numpy as jnp, optax4bit
     >>> tx = optax4bit.scale_by_momentum_4bit(0.9, min_quantize_size=0)
-    >>> state = tx.init({{"w": jnp.zeros((8, 128))}})
-    >>> updates, state = jax.jit(tx.update)({{"w": jnp.ones((8, 128))}}, state)
+    >>> state = tx.init({"w": jnp.zeros((8, 128))})
+    >>> updates, state = jax.jit(tx.update)({"w": jnp.ones((8, 128))}, state)
     >>> float(updates["w"][0, 0])
     1.0
   """
-  check_hyperparam("momentum", momentum, low=0, high=1, high_open=True)
+  _validation.check_hyperparam("momentum", momentum, low=0, high=1, high_open=True)
   spec = _recipes.resolve(recipe, first_moment).first_moment
-  min_quantize_size = check_static_int("min_quantize_size", min_quantize_size)
-  chunk = _chunk_size(chunk_size)
-  implementation = _pallas.check_implementation(implementation)
+  min_quantize_size = _validation.check_static_int("min_quantize_size", min_quantize_size)
+  chunk = _validation.check_chunk_size(chunk_size)
+  implementation = _dispatch.check_implementation(implementation)
 
   def init_fn(params):
-    flags = _resolve_mask(quantize_mask, params, "quantize_mask")
+    flags = _validation.resolve_mask(quantize_mask, params, "quantize_mask")
     leaves, treedef = _flatten_params(params)
-    trace = [_zeros_moment(p, spec if _quantizable(p, f, min_quantize_size) else None)
+    trace = [_zeros_moment(p, spec if _validation.quantizable(p, f, min_quantize_size) else None)
              for p, f in zip(leaves, flags)]
     return ScaleByMomentum4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(trace))
 
@@ -565,9 +477,9 @@ def scale_by_momentum_4bit(
     count_inc = optax.safe_increment(state.count)
     keys = _leaf_keys(seed, count_inc, len(grads), 1, spec.stochastic)
 
-    step = functools.partial(_momentum_step, momentum, nesterov)
+    step = _steps.momentum_step(momentum, nesterov)
 
-    fused = _pallas.fused_steps(implementation)
+    fused = _dispatch.fused_steps(implementation)
 
     def leaf_fn(g, t, k):
       out = fused and fused.momentum(g, t, momentum, nesterov, k)
@@ -579,17 +491,6 @@ def scale_by_momentum_4bit(
     return new_updates, ScaleByMomentum4bitState(count_inc, trace)
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-scale_by_momentum_4bit.__doc__ = scale_by_momentum_4bit.__doc__.format(
-    quant_args=_QUANT_ARGS_DOC)
-
-
-def _momentum_step(momentum, nesterov, g, old, side):
-  del side
-  (t,) = old
-  t = g + momentum * t
-  return (g + momentum * t if nesterov else t), (t,)
 
 
 # ----------------------------------------------------------------------------

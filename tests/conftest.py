@@ -1,6 +1,7 @@
 """Shared test helpers: independent references for the quantizer tests.
 
-Everything here is written from SPEC.md section 2, not from the library: the
+Everything here is written from the published tables and definitions (the paper,
+bitsandbytes, QLoRA), not from the library: the
 literal 4-bit tables, a float64 re-construction of the dynamic-exponent maps,
 a brute-force nearest-entry encoder, a numpy nibble unpacker and numpy scales.
 The quantizer tests compare the library against these.
@@ -16,7 +17,7 @@ import math
 
 import numpy as np
 
-# --- SPEC.md 2: the exact 4-bit tables (float32), copied literally. ---------
+# --- The exact 4-bit tables (float32), copied literally. --------------------
 
 SPEC_DE_SIGNED_4BIT = (
     -0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055,

@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 import optax4bit  # noqa: E402
 import optax4bit.cpu  # noqa: E402
 from optax4bit.cpu import ffi as cpu_ffi  # noqa: E402
-from optax4bit.pallas import dispatch  # noqa: E402
+from optax4bit import dispatch, pallas  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 needs_kernel = pytest.mark.skipif(not optax4bit.cpu.available(),
@@ -161,7 +161,7 @@ def test_auto_runs_the_kernel_only_where_it_is_faster(monkeypatch, avx512):
 
 
 def test_dispatch_names():
-  assert dispatch.resolve("cpu") is None  # not a Pallas config
+  assert pallas.resolve("cpu") is None  # not a Pallas config
   steps = dispatch.fused_steps("jnp")
   assert steps is None
   if optax4bit.cpu.available():

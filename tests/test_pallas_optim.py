@@ -350,8 +350,8 @@ def test_inject_hyperparams_keeps_pallas():
 
 
 def test_module_doctests():
-  from optax4bit.pallas import dispatch, quant  # pylint: disable=import-outside-toplevel
-  for module in (dispatch, quant):
+  from optax4bit.pallas import quant, steps  # pylint: disable=import-outside-toplevel
+  for module in (steps, quant):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, module.__name__
 

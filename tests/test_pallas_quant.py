@@ -17,7 +17,7 @@ import pytest
 
 import optax4bit
 from optax4bit import pallas
-from optax4bit.pallas import _engine
+from optax4bit.pallas import _engine, _geometry
 from optax4bit.quant.spec import QuantSpec, as_spec
 
 # Small tiles so that tiny shapes still run several programs along both grid
@@ -205,16 +205,16 @@ def test_tiling_is_power_of_two_and_covers_the_leaf():
                        ((3, 4, 20), ["B128/DE"]), ((7, 1), ["Rank-1/Linear"]),
                        ((1000, 4096), ["B2048/DE", "B128/Linear"])]:
     specs = [_spec(n) for n in names]
-    geo = _engine.geometry(shape, specs)
+    geo = _geometry.geometry(shape, specs)
     for n in geo.tile:
       assert n & (n - 1) == 0
     rows_covered = geo.grid[0] * geo.rows_per_tile
     bytes_covered = geo.grid[1] * geo.segs_per_tile * geo.seg
     assert rows_covered >= geo.rows and bytes_covered >= geo.half
-    assert geo.rows_per_tile * geo.segs_per_tile * geo.seg <= _engine.DEFAULT_TILE_BYTES
+    assert geo.rows_per_tile * geo.segs_per_tile * geo.seg <= _geometry.DEFAULT_TILE_BYTES
   # A large matrix: 32 rows per tile, so the rank-1 column maxima of pass 1
   # take 4 / 32 bytes per element, not a leaf-sized float32 buffer.
-  geo = _engine.geometry((4096, 4096), [_spec("B128/DE"), _spec("Rank-1/Linear")])
+  geo = _geometry.geometry((4096, 4096), [_spec("B128/DE"), _spec("Rank-1/Linear")])
   assert geo.tile == (32, 1, 64)
 
 

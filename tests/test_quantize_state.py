@@ -9,8 +9,10 @@ switched off), the hand-written optax4bit optimizers (``adam_4bit``,
 
 from __future__ import annotations
 
+import functools
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -341,20 +343,36 @@ def test_spec_for_errors():
   optax4bit.quantize_state(optax.adam(1e-3), implementation="jnp").init(params)
 
 
-def test_non_separable_inner_is_detected():
+def test_non_separable_inner_runs_on_the_whole_tree_with_a_warning():
   params = {"a": jnp.ones((64, 128)), "b": jnp.ones((256,))}
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-  with pytest.raises(ValueError, match="not leaf-separable.*depends on the parameter leaves"):
-    optax4bit.quantize_state(inner, min_quantize_size=0).init(params)
-  with pytest.raises(ValueError, match="not leaf-separable"):
-    optax4bit.quantize_state(optax.apply_if_finite(optax.adam(1e-3), 3),
-                             min_quantize_size=0).init(params)
-  # The documented ways out: per_leaf=False, or the global part outside.
   whole = optax4bit.quantize_state(inner, min_quantize_size=0, per_leaf=False)
+  expected = run(whole, params, 2)
+  with pytest.warns(UserWarning, match="not leaf-separable.*depends on the parameter leaves"):
+    detected = run(optax4bit.quantize_state(inner, min_quantize_size=0), params, 2)
+  chex.assert_trees_all_equal(detected, expected)
+  with pytest.warns(UserWarning, match="not leaf-separable"):
+    run(optax4bit.quantize_state(optax.apply_if_finite(optax.adam(1e-3), 3),
+                                 min_quantize_size=0), params, 1)
+  # The documented way to run leaf by leaf: the global part outside.
   outside = optax.chain(optax.clip_by_global_norm(1.0),
                         optax4bit.quantize_state(optax.adam(1e-3), min_quantize_size=0))
   a, b = run(whole, params, 1), run(outside, params, 1)
   assert_trees_close(a[0], b[0])
+
+
+def test_extra_args_reach_inner_and_its_separability_check():
+  """optax.polyak_sgd needs update(..., value=): forwarded, and its global
+  gradient norm is seen by the check (whole tree, with a warning)."""
+  params = {"a": jnp.full((64, 128), 0.5), "b": jnp.full((256,), -0.5)}
+  grads = jax.tree.map(lambda p: 2 * p, params)
+  inner = optax.polyak_sgd(max_learning_rate=1.0)
+  tx = optax4bit.quantize_state(inner, min_quantize_size=0)
+  with pytest.warns(UserWarning, match="not leaf-separable"):
+    updates, _ = jax.jit(functools.partial(tx.update, value=jnp.float32(3.0)))(
+        grads, tx.init(params), params)
+  expected, _ = inner.update(grads, inner.init(params), params, value=jnp.float32(3.0))
+  assert_trees_close(updates, expected)
 
 
 # ----------------------------------------------------------------------------

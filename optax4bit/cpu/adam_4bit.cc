@@ -68,7 +68,7 @@ constexpr int64_t kGrainElements = 1 << 16;
 
 inline float FromBits(uint32_t u) { return __builtin_bit_cast(float, u); }
 
-// 4 / s (0 for s == 0), as optax4bit.quant.normalize._inverse_times_4.
+// 4 / s (0 for s == 0), as optax4bit.quant.normalize.inverse_times_4.
 inline float InverseTimes4(float s) {
   float r = 4.0f / (s > 0.0f ? s : 1.0f);
   r = r < FLT_MAX ? r : FLT_MAX;

@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from optax4bit import sharding as _sharding
-from optax4bit.pallas.optim import adam_coefficients
+from optax4bit._steps import adam_coefficients
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.spec import QuantSpec
@@ -166,9 +166,9 @@ def covers(grad, moments) -> bool:
 
 
 def _coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
-  """`optax4bit.pallas.optim.adam_coefficients`, then the bias corrections
+  """`optax4bit._steps.adam_coefficients`, then the bias corrections
   ``1 - b2**t`` and ``1 - b1**(t + 1)`` by the expressions of
-  `optax4bit.transform.adam_step`: XLA's CPU backend divides by them."""
+  `optax4bit._steps.adam_step`: XLA's CPU backend divides by them."""
   correction2 = 1 - b2**count_inc
   correction1_next = 1 - b1**optax.safe_increment(count_inc)
   return jnp.concatenate([adam_coefficients(b1, b2, eps, eps_root, count_inc),
@@ -246,7 +246,7 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
 
 
 class CpuSteps:
-  """The fused steps of `optax4bit.pallas.dispatch.fused_steps` on XLA's CPU
+  """The fused steps of `optax4bit.dispatch.fused_steps` on XLA's CPU
   backend: Adam only; every method returns ``(update, new_moments)`` or None
   where the kernel does not cover the leaf (the caller runs the jnp path)."""
 

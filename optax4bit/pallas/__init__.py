@@ -7,17 +7,19 @@
 * Fused optimizer steps (`optax4bit.pallas.optim`): one kernel per leaf reads
   the gradient and the packed moments and writes the update and the
   re-quantized moments; a second pass encodes moments with rank-1 scales.
-* Dispatch (`optax4bit.pallas.dispatch`): every optimizer takes
-  ``implementation="auto" | "jnp" | "pallas" | "pallas_interpret"`` or a
-  `PallasConfig`.
+* `optax4bit.pallas.steps`: the fused steps of one leaf and `PallasConfig`;
+  every optimizer takes ``implementation="pallas" | "pallas_interpret"`` or a
+  `PallasConfig` (see `optax4bit.dispatch`).
 
-The jnp implementation is the reference; in interpret mode the quantizer
-kernels reproduce it bit for bit, and the fused steps up to the float32
-contractions XLA chooses (see `optax4bit.pallas._engine` for the design and
-for how GPU numerics can differ).
+The jnp implementation is the reference. In interpret mode the quantizer
+kernels reproduce it bit for bit; the fused steps match it to a few ulps of
+the update (the float32 contractions XLA chooses differ; see
+`optax4bit.pallas._engine` for the design and for how GPU numerics can
+differ), with codes equal where no value sits on a rounding boundary.
 """
 
-from optax4bit.pallas.dispatch import IMPLEMENTATIONS, PallasConfig, resolve
+from optax4bit._validation import IMPLEMENTATIONS
+from optax4bit.pallas.steps import PallasConfig, resolve
 from optax4bit.pallas.quant import dequantize, quantize
 
 __all__ = ["IMPLEMENTATIONS", "PallasConfig", "dequantize", "quantize", "resolve"]

@@ -54,25 +54,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit.pallas import _operands
+from optax4bit.pallas._geometry import (
+    DEFAULT_NUM_WARPS,
+    DEFAULT_TILE_BYTES,
+    Format,
+    Geometry,
+    geometry,
+    moment_format,
+)
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
-from optax4bit.quant.packing import packed_length
 from optax4bit.quant.spec import QuantSpec
-
-# Bytes of codes per tile (each byte is two elements): 2048 bytes = 4096
-# elements per program. Tunable with `PallasConfig.tile_bytes`.
-DEFAULT_TILE_BYTES = 2048
-# Segment width (bytes) when no moment is block-wise local.
-DEFAULT_SEGMENT_BYTES = 64
-DEFAULT_NUM_WARPS = 4
-
 
 def _pallas():
   """``(pl, plgpu)``, imported on first use: importing Pallas costs a
@@ -80,240 +79,6 @@ def _pallas():
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
   return pl, plgpu
-
-
-class Unsupported(ValueError):
-  """A leaf or quantizer that the kernels do not handle (the caller falls
-  back to the jnp reference)."""
-
-
-def _pow2_ceil(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _pow2_floor(n: int) -> int:
-  return 1 << (max(1, int(n)).bit_length() - 1)
-
-
-def check_spec(spec: QuantSpec) -> None:
-  """Raises `Unsupported` for quantizers without a kernel."""
-  if spec.bits != 4:
-    raise Unsupported(f"{spec}: the Pallas kernels are 4-bit only.")
-  if spec.normalization == "block" and spec.block_size < 2:
-    raise Unsupported(f"{spec}: blocks of one element have no Pallas kernel.")
-
-
-# ----------------------------------------------------------------------------
-# Geometry of a leaf and formats of its moments.
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-  """The matrix view of a leaf and its tiling (all static)."""
-  shape: tuple
-  rows: int        # R
-  cols: int        # D
-  lead: int        # A: product of the axes before the last two (1 for ndim <= 2)
-  axis_rows: int   # size of axis -2 (1 for 1-D leaves)
-  seg: int         # S, bytes per segment
-  segs_per_tile: int  # NBT
-  rows_per_tile: int  # BR
-
-  @property
-  def half(self) -> int:  # H
-    return packed_length(self.cols, 4)
-
-  @property
-  def num_segs(self) -> int:
-    return -(-self.half // self.seg)
-
-  @property
-  def row_tiles(self) -> int:
-    return -(-self.rows // self.rows_per_tile)
-
-  @property
-  def grid(self) -> tuple:
-    return (self.row_tiles, -(-self.num_segs // self.segs_per_tile))
-
-  @property
-  def tile(self) -> tuple:
-    return (self.rows_per_tile, self.segs_per_tile, self.seg)
-
-
-@dataclasses.dataclass(frozen=True)
-class Format:
-  """How one quantized moment is laid out and when it is encoded."""
-  spec: QuantSpec
-  shape: tuple
-  kind: str            # "block" (g == 1), "group" (g > 1 rows per block), "rank1" (and tensor)
-  block_bytes: int = 0  # block: B // 2
-  group_rows: int = 1   # group: g
-  local: bool = False
-
-
-def _layout(spec: QuantSpec, shape: tuple) -> normalize.Layout:
-  return normalize.layout_for(spec, shape)
-
-
-def segment_bytes(specs: Sequence[QuantSpec], shape: tuple) -> int:
-  """S: the smallest block (in bytes) among block-wise moments with one block
-  per row segment; those become local."""
-  candidates = []
-  for spec in specs:
-    layout = _layout(spec, shape)
-    if layout.normalization == "block" and layout.rows_per_block == 1:
-      candidates.append(layout.block_size // 2)
-  if candidates:
-    return min(candidates)
-  return min(DEFAULT_SEGMENT_BYTES, _pow2_ceil(packed_length(shape[-1], 4)))
-
-
-def geometry(shape: tuple, specs: Sequence[QuantSpec], tile_bytes: int = DEFAULT_TILE_BYTES,
-             segment: Optional[int] = None) -> Geometry:
-  shape = tuple(int(n) for n in shape)
-  if not shape or math.prod(shape) == 0:
-    raise Unsupported(f"shape {shape}: the kernels need ndim >= 1 and at least one element.")
-  for spec in specs:
-    check_spec(spec)
-  seg = segment_bytes(specs, shape) if segment is None else segment
-  cols = shape[-1]
-  rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-  axis_rows = shape[-2] if len(shape) > 1 else 1
-  lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
-  half = packed_length(cols, 4)
-  num_segs = -(-half // seg)
-  tile_bytes = max(int(tile_bytes), seg)
-  # Rows first: the rank-1 column maxima of pass 1 take one float per row
-  # tile and column, so few rows per tile would make them leaf-sized.
-  rows_per_tile = min(_pow2_ceil(rows), _pow2_floor(tile_bytes // seg))
-  segs_per_tile = min(_pow2_ceil(num_segs), _pow2_floor(tile_bytes // (seg * rows_per_tile)))
-  return Geometry(shape, rows, cols, lead, axis_rows, seg, segs_per_tile, rows_per_tile)
-
-
-def moment_format(spec: QuantSpec, geo: Geometry) -> Format:
-  check_spec(spec)
-  layout = _layout(spec, geo.shape)
-  if layout.normalization == "block":
-    if layout.rows_per_block > 1:
-      return Format(spec, geo.shape, "group", group_rows=layout.rows_per_block)
-    block_bytes = layout.block_size // 2
-    if block_bytes < geo.seg:
-      raise Unsupported(f"{spec}: blocks of {layout.block_size} elements are smaller than the "
-                        f"tile segment of {2 * geo.seg} elements chosen for this leaf.")
-    return Format(spec, geo.shape, "block", block_bytes=block_bytes,
-                  local=block_bytes == geo.seg)
-  return Format(spec, geo.shape, "rank1")
-
-
-# ----------------------------------------------------------------------------
-# jnp side: scale arrays in the kernels' views, and back.
-
-
-def _num_groups(fmt: Format, geo: Geometry) -> int:
-  return -(-geo.axis_rows // fmt.group_rows)
-
-
-def _rank1_vectors(scales: tuple, fmt: Format, geo: Geometry, combine) -> tuple:
-  """Per-row ``(R,)`` and per-column ``(D,)`` vectors whose ``combine`` is the
-  per-element value of rank-1 (or tensor) scales."""
-  layout = _layout(fmt.spec, geo.shape)
-  if layout.normalization == "tensor":
-    (s,) = scales
-    s = s.reshape(())
-    return jnp.full((geo.rows,), s), jnp.full((geo.cols,), s)
-  ndim = len(geo.shape)
-  row = scales[0].reshape(scales[0].shape[:-1])
-  for stat in scales[1:-1]:
-    row = combine(row, stat.reshape(stat.shape[:-1]))
-  row = jnp.broadcast_to(row, geo.shape[:-1]).reshape(geo.rows)
-  col = scales[ndim - 1].reshape(geo.cols)
-  return row, col
-
-
-def decode_operands(q: QuantizedArray, fmt: Format, geo: Geometry) -> tuple:
-  """Arrays a kernel reads to decode ``q``: codes ``(R, H)`` then scales."""
-  codes = q.codes.reshape(geo.rows, geo.half)
-  if fmt.kind == "block":
-    (s,) = q.scales
-    return codes, s.reshape(geo.rows, -1)
-  if fmt.kind == "group":
-    (s,) = q.scales
-    return codes, s.reshape(-1)
-  return (codes,) + _rank1_vectors(q.scales, fmt, geo, jnp.minimum)
-
-
-def inverse_times_4(s, div=jnp.divide):
-  """``4 / s`` (0 where ``s`` is 0, clamped to the float32 maximum), as
-  `optax4bit.quant.normalize.normalize` uses it: ``n = (x * (4 / s)) * 0.25``
-  equals ``x * (1 / s)`` but never goes through a subnormal reciprocal (which
-  XLA's CPU backend flushes to zero) for scales above 2**126."""
-  positive = s > 0
-  inverse = jnp.minimum(div(np.float32(4), jnp.where(positive, s, np.float32(1))),
-                        np.float32(np.finfo(np.float32).max))
-  return jnp.where(positive, inverse, np.float32(0))
-
-
-def encode_operands(scales: tuple, fmt: Format, geo: Geometry) -> tuple:
-  """Inverse scales (times 4) a pass-2 kernel multiplies by."""
-  inverse = tuple(inverse_times_4(s) for s in scales)
-  if fmt.kind == "block":
-    return (inverse[0].reshape(geo.rows, -1),)
-  if fmt.kind == "group":
-    return (inverse[0].reshape(-1),)
-  return _rank1_vectors(inverse, fmt, geo, jnp.maximum)
-
-
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-  extra = -x.shape[axis] % multiple
-  if not extra:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
-
-
-def scales_from_partials(fmt: Format, geo: Geometry, row_part: jax.Array,
-                         col_part: Optional[jax.Array],
-                         reduce_scales: Optional[Callable] = None) -> tuple:
-  """The reference's scale arrays of a new moment from pass-1 partial maxima.
-
-  ``row_part``: ``(R, num_segs)``, max |x| per row segment; ``col_part``:
-  ``(row_tiles, D)``, max |x| per row tile and column (rank-1 only).
-  ``reduce_scales(scales, layout)`` turns rank-1/tensor scales of a shard
-  into those of the global tensor (see `optax4bit.sharding.per_shard`).
-  """
-  shape = geo.shape
-  layout = _layout(fmt.spec, shape)
-  shapes = normalize.scale_shapes(layout, shape)
-  if fmt.kind == "block":
-    k = fmt.block_bytes // geo.seg
-    grouped = _pad_to(row_part, 1, k)
-    grouped = grouped.reshape(geo.rows, grouped.shape[1] // k, k).max(axis=-1)
-    return (grouped.reshape(shapes[0]),)
-  row_max = row_part.max(axis=1)
-  if fmt.kind == "group":
-    g = fmt.group_rows
-    per_row = _pad_to(row_max.reshape(geo.lead, geo.axis_rows), 1, g)
-    groups = per_row.reshape(geo.lead, per_row.shape[1] // g, g).max(axis=-1)
-    return (groups.reshape(shapes[0]),)
-  if layout.normalization == "tensor":
-    scales = (row_max.max().reshape(shapes[0]),)
-  else:
-    ndim = len(shape)
-    lead = row_max.reshape(shape[:-1])
-    stats = []
-    for axis in range(ndim - 1):
-      others = tuple(k for k in range(ndim - 1) if k != axis)
-      stat = jnp.max(lead, axis=others, keepdims=True) if others else lead
-      stats.append(stat[..., None].reshape(shapes[axis]))
-    stats.append(col_part.max(axis=0).reshape(shapes[ndim - 1]))
-    scales = tuple(stats)
-  return scales if reduce_scales is None else tuple(reduce_scales(scales, layout))
-
-
-def local_scales(scales_2d: jax.Array, fmt: Format, geo: Geometry) -> tuple:
-  shapes = normalize.scale_shapes(_layout(fmt.spec, geo.shape), geo.shape)
-  return (scales_2d.reshape(shapes[0]),)
 
 
 # ----------------------------------------------------------------------------
@@ -347,7 +112,7 @@ class KernelMath:
     return jnp.sqrt(x)
 
   def inverse_times_4(self, s):
-    return inverse_times_4(s, self.div)
+    return normalize.inverse_times_4(s, self.div)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,7 +233,7 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
     """Flat index of the group scale of each row (group formats)."""
     lead_index = jax.lax.div(row_1, np.int32(geo.axis_rows))
     in_lead = jax.lax.rem(row_1, np.int32(geo.axis_rows))
-    return lead_index * _num_groups(fmt, geo) + jax.lax.div(in_lead, np.int32(fmt.group_rows))
+    return lead_index * _operands.num_groups(fmt, geo) + jax.lax.div(in_lead, np.int32(fmt.group_rows))
 
   def per_element_scale(fmt: Format, scale_refs, combine):
     """Scale (or inverse) of the even and odd elements."""
@@ -604,7 +369,7 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
       default the leaf is whole (row ``r`` starts at ``r * D``).
     options: interpret mode and tiling.
     reduce_scales: cross-shard reduction of rank-1/tensor scales (see
-      `scales_from_partials`).
+      `_operands.scales_from_partials`).
 
   Returns:
     ``(dense_outputs, new_moments)``.
@@ -635,7 +400,7 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
   if row_based:
     head.append(jnp.asarray(row_bases).astype(jnp.uint32).reshape(geo.rows))
   head += [x.reshape(geo.rows, geo.cols) for x in dense_in]
-  old_ops = [decode_operands(q, f, geo) for q, f in zip(old, old_fmts)]
+  old_ops = [_operands.decode_operands(q, f, geo) for q, f in zip(old, old_fmts)]
   side_ops = [jnp.asarray(a, jnp.float32) for a, _ in side]
 
   def assemble(read: Sequence[bool]):
@@ -669,11 +434,11 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
   for k, fmt in enumerate(new_fmts):
     if fmt.local:
       new_codes[k] = outs.pop(0)
-      new_scales[k] = local_scales(outs.pop(0), fmt, geo)
+      new_scales[k] = _operands.local_scales(outs.pop(0), fmt, geo)
     else:
       row_part = outs.pop(0)
       col_part = outs.pop(0) if fmt.kind == "rank1" else None
-      new_scales[k] = scales_from_partials(fmt, geo, row_part, col_part, reduce_scales)
+      new_scales[k] = _operands.scales_from_partials(fmt, geo, row_part, col_part, reduce_scales)
 
   # Pass 2: recompute and encode the moments whose scales needed the whole
   # new value; it reads only their own old codes (pass 1 left them intact).
@@ -684,7 +449,7 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     inputs, position = assemble(read)
     out_shapes, aliases = [], {}
     for k in deferred:
-      inputs.extend(encode_operands(new_scales[k], new_fmts[k], geo))
+      inputs.extend(_operands.encode_operands(new_scales[k], new_fmts[k], geo))
       if alias[k] is not None:
         aliases[position[alias[k]]] = len(out_shapes)
       out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.half), jnp.uint8))

@@ -19,31 +19,10 @@ as in optax: the kernels return the update of ``scale_by_*``.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-__all__ = ["adam_coefficients", "momentum_coefficients", "STEPS"]
-
-
-def _vector(*values) -> jax.Array:
-  return jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in values])
-
-
-def adam_coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
-  """Scalars of the Adam step, by the expressions of `transform.adam_step`
-  (reciprocals of the bias corrections as XLA computes them, see `_adam_step`)."""
-  correction1 = 1 - b1**count_inc
-  correction2 = 1 - b2**count_inc
-  correction1_next = 1 - b1**optax.safe_increment(count_inc)
-  one = np.float32(1)
-  return _vector(b1, 1 - b1, b2, 1 - b2, eps, eps_root, correction1, one / correction2,
-                 one / correction1, one / correction1_next)
-
-
-def momentum_coefficients(momentum) -> jax.Array:
-  return _vector(momentum)
+__all__ = ["STEPS"]
 
 
 # The jnp reference writes ``m_hat = m / c1``, ``v_hat = v / c2`` and
@@ -106,7 +85,7 @@ def _momentum_step(nesterov: bool):
   return step
 
 
-# kind -> elementwise step; see `optax4bit.pallas.dispatch.LeafHandle`.
+# kind -> elementwise kernel step; run by `optax4bit.pallas.steps.PallasSteps`.
 STEPS = {
     "adam": _adam_step(False),
     "adam_nesterov": _adam_step(True),

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax4bit.pallas import _engine
+from optax4bit.pallas import _engine, _geometry
 from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray, _check_input
 from optax4bit.quant.spec import SpecLike, as_spec
@@ -37,7 +37,7 @@ def _identity_old(kmath, coef, dense, old, side):
 
 def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None,
              interpret: bool = False,
-             tile_bytes: int = _engine.DEFAULT_TILE_BYTES) -> QuantizedArray:
+             tile_bytes: int = _geometry.DEFAULT_TILE_BYTES) -> QuantizedArray:
   """`optax4bit.quantize` with Pallas kernels (4-bit).
 
   Args:
@@ -68,7 +68,7 @@ def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None,
   """
   spec = as_spec(spec)
   x = _check_input(x, "x")
-  _engine.check_spec(spec)
+  _geometry.check_spec(spec)
   if spec.stochastic and key is None:
     raise ValueError(f"spec {spec} rounds stochastically and needs a PRNG `key`.")
   seed = maps.rounding_seed(key) if spec.stochastic else None
@@ -79,7 +79,7 @@ def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None,
 
 
 def dequantize(q: QuantizedArray, dtype=jnp.float32, *, interpret: bool = False,
-               tile_bytes: int = _engine.DEFAULT_TILE_BYTES) -> jax.Array:
+               tile_bytes: int = _geometry.DEFAULT_TILE_BYTES) -> jax.Array:
   """`optax4bit.dequantize` with a Pallas kernel.
 
   Args:
@@ -98,7 +98,7 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32, *, interpret: bool = False,
   """
   if not isinstance(q, QuantizedArray):
     raise ValueError(f"q must be a QuantizedArray, got {type(q).__name__}.")
-  _engine.check_spec(q.spec)
+  _geometry.check_spec(q.spec)
   options = _engine.Options(interpret=interpret, tile_bytes=tile_bytes)
   (out,), _ = _engine.run(_identity_old, shape=q.shape, old=[q], dense_out=[jnp.dtype(dtype)],
                           options=options)

@@ -71,6 +71,12 @@ jax.tree_util.register_dataclass(
     QuantizedArray, data_fields=["codes", "scales"], meta_fields=["spec", "shape", "dtype"])
 
 
+def is_quantized(x) -> bool:
+  """Whether ``x`` is a `QuantizedArray` (an ``is_leaf`` for tree maps that
+  treat quantized moments as single leaves)."""
+  return isinstance(x, QuantizedArray)
+
+
 def encode(x: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
            uniform: Optional[jax.Array] = None) -> jax.Array:
   """Packed codes of float32 ``x`` under given scales (``uniform`` draws for

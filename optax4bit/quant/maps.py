@@ -33,7 +33,7 @@ __all__ = ["qmap"]
 
 
 def _dynamic_exponent_map(bits: int, signed: bool) -> np.ndarray:
-  """The bitsandbytes dynamic map with E = N = bits - 1 (see SPEC.md 2)."""
+  """bitsandbytes' dynamic map (``create_dynamic_map``) with E = N = bits - 1."""
   exponent_bits = non_sign_bits = bits - 1
   values = []
   for i in range(exponent_bits):

@@ -61,6 +61,21 @@ def scale_shapes(layout: Layout, shape: tuple) -> tuple:
   return (shape[:-1] + (math.ceil(shape[-1] / layout.block_size),),)
 
 
+def row_factors(layout: Layout, ndim: int, bits: int) -> tuple:
+  """Leaf rows (along axis 0) per row of each buffer of a quantized tensor of
+  rank ``ndim``: the codes first, then each scale array; ``None`` for a
+  buffer that spans all rows (a column statistic or a tensor scale). Chunks
+  of rows, and shards of axis 0, must be multiples of these."""
+  codes = 2 if (ndim == 1 and bits == 4) else 1  # a 1-D leaf packs pairs of rows
+  if layout.normalization == "block":
+    if ndim == 1:
+      return codes, layout.block_size
+    return codes, layout.rows_per_block if ndim == 2 else 1
+  if layout.normalization == "rank1":
+    return (codes, 1) + (None,) * (ndim - 1)
+  return codes, None
+
+
 def finite_abs(x: jax.Array) -> jax.Array:
   """|x| with non-finite entries replaced by 0, for maxima."""
   return jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
@@ -120,12 +135,6 @@ def expand_scales(scales: tuple, layout: Layout, shape: tuple) -> jax.Array:
   return _expand(scales, layout, shape, jnp.minimum)
 
 
-def inverse_scales(scales: tuple) -> tuple:
-  """``1 / scale`` for each scale array, 0 where the scale is 0."""
-  return tuple(jnp.where(s > 0, np.float32(1) / jnp.where(s > 0, s, np.float32(1)),
-                         np.float32(0)) for s in scales)
-
-
 def normalize(x: jax.Array, scales: tuple, layout: Layout) -> jax.Array:
   """The normalized tensor ``x * (1 / scale)``, NaN mapped to 0.
 
@@ -135,13 +144,14 @@ def normalize(x: jax.Array, scales: tuple, layout: Layout) -> jax.Array:
   get 0 (``+-inf`` there gives NaN, hence 0); elsewhere ``+-inf`` stay
   infinite and clamp to the table's ends when encoded.
   """
-  inverse = _expand(_inverse_times_4(scales), layout, x.shape, jnp.maximum)
+  inverse = _expand(tuple(map(inverse_times_4, scales)), layout, x.shape, jnp.maximum)
   n = (x * inverse) * np.float32(0.25)
   return jnp.where(jnp.isnan(n), np.float32(0), n)
 
 
-def _inverse_times_4(scales: tuple) -> tuple:
-  """``4 / scale`` (0 where the scale is 0), for `normalize`.
+def inverse_times_4(s: jax.Array, div=jnp.divide) -> jax.Array:
+  """``4 / s`` (0 where ``s`` is 0), for `normalize`; ``div`` is the division
+  to use (kernels pass their own).
 
   For a scale above 2**126 the plain reciprocal is subnormal, and XLA's CPU
   backend flushes subnormals to zero: every element of such a block would
@@ -150,7 +160,7 @@ def _inverse_times_4(scales: tuple) -> tuple:
   ``(x * (4 / scale)) * 0.25`` is bit-identical to ``x * (1 / scale)`` wherever
   that reciprocal is normal.
   """
-  big = np.float32(np.finfo(np.float32).max)
-  return tuple(
-      jnp.where(s > 0, jnp.minimum(np.float32(4) / jnp.where(s > 0, s, np.float32(1)), big),
-                np.float32(0)) for s in scales)
+  positive = s > 0
+  inverse = jnp.minimum(div(np.float32(4), jnp.where(positive, s, np.float32(1))),
+                        np.float32(np.finfo(np.float32).max))
+  return jnp.where(positive, inverse, np.float32(0))

@@ -1,38 +1,22 @@
-"""Choosing between the Pallas kernels and the jnp reference, leaf by leaf.
+"""The Pallas backend's fused steps and its options.
 
-Every optimizer of the library takes ``implementation=``:
-
-* ``"auto"`` (default): the Pallas kernels on a CUDA GPU backend
-  (``jax.default_backend() == "gpu"``, not ROCm); on the CPU backend the
-  compiled C++ kernel of `optax4bit.cpu` where it is installed and faster than
-  the jnp path (its AVX-512 build; 4-bit AdamW only, everything else runs the
-  jnp reference); the jnp reference elsewhere.
-* ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
-* ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
-  construction if it is not installed.
-  ``jax.export`` refuses its custom calls (no serialization compatibility
-  guarantee): use ``"jnp"`` for an update you export on CPU.
-* ``"pallas"``: the Pallas kernels, lowered through Triton
-  (``jax.experimental.pallas.triton.CompilerParams``); needs a CUDA GPU.
-* ``"pallas_interpret"``: the same kernels in Pallas interpret mode, on any
-  backend (slow; for tests).
-* a `PallasConfig`: interpret mode and tiling options.
-
-The choice is made when the update is traced. The kernels cover every 4-bit
-quantizer (maps ``DE``, ``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``; nearest
-and stochastic rounding), so both the default and the paper recipe run them
-on every quantized leaf. Stochastic rounding draws the jnp reference's
-numbers: each moment's PRNG key becomes a uint32 seed
-(`optax4bit.quant.maps.rounding_seed`) and the kernel hashes each element's
-flat index in the (local) leaf (`optax4bit.quant.maps.hashed_uniform`).
-Leaves the kernels do not cover run the jnp reference: leaves kept in
-float32, 8-bit quantizers, blocks of one element, and a block-wise moment
-whose blocks are smaller than another block-wise moment's of the same leaf.
+`PallasSteps` runs one leaf's fused optimizer step as Pallas kernels (Triton
+lowering, or interpret mode), or declines a leaf the kernels do not cover:
+leaves kept in float32, 8-bit quantizers, blocks of one element, and a
+block-wise moment whose blocks are smaller than another block-wise moment's
+of the same leaf. The kernels cover every 4-bit quantizer (maps ``DE``,
+``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``; nearest and stochastic rounding).
+Stochastic rounding draws the jnp reference's numbers: each moment's PRNG key
+becomes a uint32 seed (`optax4bit.quant.maps.rounding_seed`) and the kernel
+hashes each element's flat index in the global leaf
+(`optax4bit.quant.maps.hashed_uniform`).
 
 Sharded leaves (see `optax4bit.sharding`) run the kernels per shard under
 ``jax.shard_map``, exactly like the jnp reference does: block-wise scales
 are local, rank-1 and tensor statistics are reduced with a cross-shard
 ``pmax``, so results equal the unsharded run.
+
+Which backend runs is chosen in `optax4bit.dispatch`.
 """
 
 from __future__ import annotations
@@ -45,18 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax4bit import cpu as _cpu
 from optax4bit import sharding as _sharding
-from optax4bit.cpu import ffi as _cpu_ffi
-from optax4bit.pallas import _engine
-from optax4bit.pallas.optim import STEPS, adam_coefficients, momentum_coefficients
+from optax4bit._steps import adam_coefficients, momentum_coefficients
+from optax4bit._validation import IMPLEMENTATIONS
+from optax4bit.pallas import _engine, _geometry
+from optax4bit.pallas.optim import STEPS
 from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray
 
-__all__ = ["IMPLEMENTATIONS", "PallasConfig", "FusedSteps", "check_implementation",
-           "fused_steps", "resolve"]
-
-IMPLEMENTATIONS = ("auto", "jnp", "cpu", "pallas", "pallas_interpret")
+__all__ = ["PallasConfig", "PallasSteps", "resolve"]
 
 
 def _check_power_of_two(name: str, value) -> None:
@@ -81,8 +62,8 @@ class PallasConfig:
     >>> state = tx.init({"w": jnp.zeros((64, 128))})
   """
   interpret: bool = False
-  tile_bytes: int = _engine.DEFAULT_TILE_BYTES
-  num_warps: int = _engine.DEFAULT_NUM_WARPS
+  tile_bytes: int = _geometry.DEFAULT_TILE_BYTES
+  num_warps: int = _geometry.DEFAULT_NUM_WARPS
 
   def __post_init__(self):
     if not isinstance(self.interpret, bool):
@@ -95,22 +76,6 @@ class PallasConfig:
     return _engine.Options(self.interpret, self.tile_bytes, self.num_warps)
 
 
-Implementation = Union[str, PallasConfig]
-
-
-def check_implementation(implementation: Implementation) -> Implementation:
-  """Validates ``implementation`` (at construction time)."""
-  if isinstance(implementation, PallasConfig):
-    return implementation
-  if implementation == "cpu" and not _cpu.available():
-    raise ValueError(f"implementation='cpu' needs the compiled CPU kernel, but "
-                     f"{_cpu.unavailable_reason()}.")
-  if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
-    return implementation
-  raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
-                   f"optax4bit.pallas.PallasConfig, got {implementation!r}.")
-
-
 def _on_cuda() -> bool:
   if jax.default_backend() not in ("gpu", "cuda"):
     return False
@@ -121,7 +86,7 @@ def _on_cuda() -> bool:
   return "rocm" not in version and "hip" not in version
 
 
-def resolve(implementation: Implementation) -> Optional[PallasConfig]:
+def resolve(implementation: Union[str, PallasConfig]) -> Optional[PallasConfig]:
   """The `PallasConfig` to use, or None for the jnp reference.
 
   Example:
@@ -129,22 +94,24 @@ def resolve(implementation: Implementation) -> Optional[PallasConfig]:
     >>> pallas.resolve("jnp") is None, pallas.resolve("pallas_interpret").interpret
     (True, True)
   """
-  implementation = check_implementation(implementation)
   if isinstance(implementation, PallasConfig):
     return implementation
   if implementation == "auto":
     return PallasConfig() if _on_cuda() else None
-  if implementation in ("jnp", "cpu"):
+  if implementation in ("pallas", "pallas_interpret"):
+    return PallasConfig(interpret=implementation == "pallas_interpret")
+  if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
     return None
-  return PallasConfig(interpret=implementation == "pallas_interpret")
+  raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
+                   f"optax4bit.pallas.PallasConfig, got {implementation!r}.")
 
 
 def _covers(shape: tuple, moments: Sequence[QuantizedArray], options: _engine.Options) -> bool:
   try:
-    geo = _engine.geometry(shape, [m.spec for m in moments], options.tile_bytes)
+    geo = _geometry.geometry(shape, [m.spec for m in moments], options.tile_bytes)
     for m in moments:
-      _engine.moment_format(m.spec, geo)
-  except _engine.Unsupported:
+      _geometry.moment_format(m.spec, geo)
+  except _geometry.Unsupported:
     return False
   return True
 
@@ -163,8 +130,8 @@ def _side_inputs(kind: str, shape: tuple, side: Sequence[jax.Array]) -> list:
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedSteps:
-  """The fused per-leaf steps of one update (see `fused_steps`). Each method
+class PallasSteps:
+  """The fused per-leaf steps of one update as Pallas kernels. Each method
   returns ``(update, new_moments)``, or None when the kernels do not cover
   the leaf (the caller then runs the jnp reference)."""
   options: _engine.Options
@@ -213,14 +180,3 @@ class FusedSteps:
         new=[(m.spec, m.dtype) for m in moments], alias=range(len(moments)),
         seeds=seeds, row_bases=row_bases, options=self.options, reduce_scales=reduce_scales)
     return update, new
-
-
-def fused_steps(implementation: Implementation):
-  """The fused steps for ``implementation`` (`FusedSteps` or
-  `optax4bit.cpu.ffi.CpuSteps`), or None for the jnp reference. Call while
-  tracing the update (``"auto"`` looks at the backend)."""
-  if implementation == "cpu" or (implementation == "auto" and jax.default_backend() == "cpu"
-                                 and _cpu.faster_than_jnp()):
-    return _cpu_ffi.CpuSteps()
-  config = resolve(implementation)
-  return None if config is None else FusedSteps(config.options)

@@ -1,0 +1,101 @@
+"""The optimizer steps every backend runs, and the scalars they take.
+
+A step is an elementwise function ``step(g, old_moments, side) -> (update,
+new_moments)`` on float32 arrays (`optax4bit._leafwise.StepFn`): the jnp
+engine runs these on chunks of rows. The fused kernels (`optax4bit.pallas`,
+`optax4bit.cpu`) implement the same steps and take their scalar coefficients
+as a float32 vector computed here, by the same expressions, so that their
+results match the jnp path.
+
+Steps are partials of module-level functions, not closures: the engine passes
+their traced arguments into ``shard_map`` explicitly (see
+`optax4bit.sharding.hoist_partial`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def adam_step(b1, b2, eps, eps_root, count_inc, nesterov):
+  """The elementwise Adam step, arranged exactly as ``optax.scale_by_adam``."""
+  correction1 = 1 - b1**count_inc
+  correction2 = 1 - b2**count_inc
+  correction1_next = 1 - b1**optax.safe_increment(count_inc)
+  return functools.partial(_adam_step, b1, b2, eps, eps_root, correction1, correction2,
+                           correction1_next, nesterov)
+
+
+def _adam_step(b1, b2, eps, eps_root, correction1, correction2, correction1_next, nesterov,
+               g, old, side):
+  del side
+  m, v = old
+  m = (1 - b1) * g + b1 * m
+  # |g|**2 for complex leaves, as optax's update_moment_per_elem_norm.
+  g_squared = jnp.real(g * jnp.conj(g)) if jnp.iscomplexobj(g) else g * g
+  v = (1 - b2) * g_squared + b2 * v
+  if nesterov:
+    m_hat = b1 * (m / correction1_next.astype(m.dtype)) + (1 - b1) * (
+        g / correction1.astype(g.dtype))
+  else:
+    m_hat = m / correction1.astype(m.dtype)
+  v_hat = v / correction2.astype(v.dtype)
+  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m, v)
+
+
+def factored_step(b1, b2, eps, eps_root, count_inc):
+  """Adam's step on the first moment with the second moment rebuilt from its
+  Adafactor factors (side inputs ``row``, ``col`` and the mean of ``row``)."""
+  return functools.partial(_factored_step, b1, eps, eps_root, 1 - b1**count_inc,
+                           1 - b2**count_inc)
+
+
+def _factored_step(b1, eps, eps_root, correction1, correction2, g, old, side):
+  (m,) = old
+  row, col, row_mean = side
+  m = (1 - b1) * g + b1 * m
+  positive = row_mean > 0
+  v = jnp.where(positive, row * col / jnp.where(positive, row_mean, 1), 0)
+  m_hat = m / correction1.astype(m.dtype)
+  v_hat = v / correction2.astype(v.dtype)
+  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m,)
+
+
+def momentum_step(momentum, nesterov: bool):
+  """The heavy-ball step of ``optax.trace``."""
+  return functools.partial(_momentum_step, momentum, nesterov)
+
+
+def _momentum_step(momentum, nesterov, g, old, side):
+  del side
+  (t,) = old
+  t = g + momentum * t
+  return (g + momentum * t if nesterov else t), (t,)
+
+
+# Coefficient vectors of the fused kernels.
+
+
+def _vector(*values) -> jax.Array:
+  return jnp.stack([jnp.asarray(v, jnp.float32).reshape(()) for v in values])
+
+
+def adam_coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
+  """Scalars of the Adam step, by the expressions of `adam_step` (reciprocals
+  of the bias corrections as XLA computes them, see
+  `optax4bit.pallas.optim`)."""
+  correction1 = 1 - b1**count_inc
+  correction2 = 1 - b2**count_inc
+  correction1_next = 1 - b1**optax.safe_increment(count_inc)
+  one = np.float32(1)
+  return _vector(b1, 1 - b1, b2, 1 - b2, eps, eps_root, correction1, one / correction2,
+                 one / correction1, one / correction1_next)
+
+
+def momentum_coefficients(momentum) -> jax.Array:
+  return _vector(momentum)

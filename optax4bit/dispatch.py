@@ -1,0 +1,69 @@
+"""Which implementation runs a step: the fused kernels of a backend or the jnp
+reference, leaf by leaf.
+
+Every optimizer of the library takes ``implementation=``:
+
+* ``"auto"`` (default): the Pallas kernels on a CUDA GPU backend
+  (``jax.default_backend() == "gpu"``, not ROCm); on the CPU backend the
+  compiled C++ kernel of `optax4bit.cpu` where it is installed and faster than
+  the jnp path (its AVX-512 build; 4-bit AdamW only, everything else runs the
+  jnp reference); the jnp reference elsewhere.
+* ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
+* ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
+  construction if it is not installed.
+  ``jax.export`` refuses its custom calls (no serialization compatibility
+  guarantee): use ``"jnp"`` for an update you export on CPU.
+* ``"pallas"``: the Pallas kernels, lowered through Triton
+  (``jax.experimental.pallas.triton.CompilerParams``); needs a CUDA GPU.
+* ``"pallas_interpret"``: the same kernels in Pallas interpret mode, on any
+  backend (slow; for tests).
+* a `PallasConfig`: interpret mode and tiling options.
+
+The choice is made when the update is traced. A backend's fused steps
+(`optax4bit.pallas.steps.PallasSteps`, `optax4bit.cpu.ffi.CpuSteps`) decline
+the leaves their kernels do not cover, which then run the jnp reference.
+
+Layers: `optax4bit.transform` asks `fused_steps` for a backend; the backends
+(`optax4bit.pallas`, `optax4bit.cpu`) share the step definitions and their
+coefficients (`optax4bit._steps`) and never import each other.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import jax
+
+from optax4bit import cpu as _cpu
+from optax4bit._validation import IMPLEMENTATIONS
+from optax4bit.cpu import ffi as _cpu_ffi
+from optax4bit.pallas import steps as _pallas_steps
+from optax4bit.pallas.steps import PallasConfig
+
+__all__ = ["IMPLEMENTATIONS", "Implementation", "check_implementation", "fused_steps"]
+
+Implementation = Union[str, PallasConfig]
+
+
+def check_implementation(implementation: Implementation) -> Implementation:
+  """Validates ``implementation`` (at construction time)."""
+  if isinstance(implementation, PallasConfig):
+    return implementation
+  if implementation == "cpu" and not _cpu.available():
+    raise ValueError(f"implementation='cpu' needs the compiled CPU kernel, but "
+                     f"{_cpu.unavailable_reason()}.")
+  if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
+    return implementation
+  raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
+                   f"optax4bit.pallas.PallasConfig, got {implementation!r}.")
+
+
+def fused_steps(implementation: Implementation):
+  """The fused steps for ``implementation`` (`optax4bit.pallas.steps.PallasSteps`
+  or `optax4bit.cpu.ffi.CpuSteps`), or None for the jnp reference. Call while
+  tracing the update (``"auto"`` looks at the backend)."""
+  if implementation == "cpu" or (implementation == "auto" and jax.default_backend() == "cpu"
+                                 and _cpu.faster_than_jnp()):
+    return _cpu_ffi.CpuSteps()
+  config = _pallas_steps.resolve(implementation)
+  return None if config is None else _pallas_steps.PallasSteps(config.options)
