@@ -37,7 +37,7 @@ import optax4bit  # pylint: disable=wrong-import-position
 # Optimizers.
 
 OPTIMIZERS = ("adamw", "adamw_4bit", "adamw_4bit_factor", "adamw_8bit", "adafactor", "sgdm",
-              "sgdm_4bit")
+              "sgdm_4bit", "muon", "muon_4bit")
 
 # The second-moment rows of the paper's Table 1 (first moment fixed at B128/DE).
 # "Factor" is the factored second moment of `adamw_4bit_factor`.
@@ -154,6 +154,15 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     decay = (lambda count: cfg.weight_decay * lr(count)) if cfg.weight_decay else None
     tx = optax.adafactor(lr, multiply_by_parameter_scale=False, momentum=cfg.momentum,
                          weight_decay_rate=decay, weight_decay_mask=_decay_mask)
+  elif name in ("muon", "muon_4bit"):
+    # Muon's learning rate is for the matrices; the Adam it runs on the other
+    # parameters gets a tenth of it (Muon's rates are ~10x Adam's).
+    adam_lr = schedule(dataclasses.replace(cfg, learning_rate=cfg.learning_rate / 10))
+    muon_args = dict(weight_decay=cfg.weight_decay,
+                     weight_decay_mask=_decay_mask, adam_b1=cfg.b1, adam_b2=cfg.b2,
+                     adam_learning_rate=adam_lr)
+    tx = (optax.contrib.muon(lr, **muon_args) if name == "muon"
+          else optax4bit.muon_4bit(lr, **muon_args, **quant))
   elif name == "sgdm":
     tx = optax.sgd(lr, momentum=cfg.momentum)
   else:  # sgdm_4bit

@@ -13,11 +13,10 @@ from optax4bit.alias import (
     adamw_4bit,
     adamw_4bit_factor,
     adamw_8bit,
-    ademamix_4bit,
     inject_hyperparams,
-    lion_4bit,
     sgdm_4bit,
 )
+from optax4bit.presets import ademamix_4bit, lion_4bit, muon_4bit
 from optax4bit.quant import QuantizedArray, QuantSpec, dequantize, qmap, quantize
 from optax4bit.sharding import shard_optimizer, state_partition_spec, state_shardings
 from optax4bit.transform import (
@@ -54,6 +53,7 @@ __all__ = [
     "diagnostics",
     "inject_hyperparams",
     "lion_4bit",
+    "muon_4bit",
     "qmap",
     "quantize",
     "quantize_state",

@@ -55,6 +55,7 @@ class Config(NamedTuple):
   per_leaf: Optional[bool]
   seed: int
   chunk_size: int
+  recipe: str
 
 
 def _dtype(x):
@@ -147,7 +148,10 @@ def _inner_step(inner_update, outer_def, mirror, dtypes, g_dtype, has_param, sha
 def _init_leaf(inner_init, outer_def, mirror, leaf_specs, seed, p, i):
   """``inner.init`` of one parameter leaf, its per-parameter state encoded:
   ``(mirrored, shared)``."""
-  outer = outer_def.flatten_up_to(inner_init(p))
+  # A barrier: inner.init mostly returns constants (zeros), and XLA would
+  # otherwise constant-fold their whole encoding at compile time (seconds
+  # per large leaf).
+  outer = jax.lax.optimization_barrier(outer_def.flatten_up_to(inner_init(p)))
   specs = iter(leaf_specs)
   mirrored = [_encode_new(x, next(specs), functools.partial(_rounding_key, seed, 0, i, k), p)
               for k, (x, m) in enumerate(zip(outer, mirror)) if m]
@@ -188,7 +192,7 @@ def _split(config: Config, state, params_def, first_leaf) -> StateSplit:
   as SM3's accumulators of a 2-D parameter do for two parameters); then the
   outermost subtrees with the params' structure as a prefix."""
   exact = _state_fields.split_state(state, params_def)
-  if params_def.num_leaves < 2:
+  if params_def.num_nodes == 1:  # a bare array: every subtree has it as a prefix
     return exact
   try:
     alone = _entry_shapes(jax.eval_shape(config.inner.init, abstract_leaf(first_leaf)))
@@ -293,7 +297,8 @@ def init(config: Config, params) -> QuantizedState:
   abstract_state = jax.eval_shape(config.inner.init, abstract_params)
   split = _split(config, abstract_state, params_def, jax.tree.leaves(params)[0])
   specs = _state_fields.plan_specs(abstract_state, params, params_def, split, config.spec_for,
-                                   config.min_quantize_size, config.quantize_mask)
+                                   config.min_quantize_size, config.quantize_mask,
+                                   config.recipe)
   whole_tree = config.per_leaf is False or (config.per_leaf is None and _not_separable(
       init_problem(config.inner.init, abstract_params, abstract_state, params_def, split)))
   if whole_tree:

@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from optax4bit._state_fields import StateSplit
+from optax4bit.quant import array as qarray
 
 
 def abstract_leaf(x):
@@ -81,10 +82,19 @@ def _propagate(jaxpr, in_deps: list) -> list:
 
 
 def _labels(params_def, layout: StateSplit, n: int) -> list:
-  """Label of each leaf of the state: its parameter index or -1 (shared)."""
-  outer = [params_def.unflatten(list(range(n))) if m else -1
-           for m in layout.mirror]
-  return jax.tree.leaves(layout.outer_def.unflatten(outer))
+  """Label of each leaf of the state: its parameter index or -1 (shared). An
+  entry of a mirror may be a subtree (any number of leaves, e.g. none for a
+  masked-out parameter); a `QuantizedArray` counts as the one array it
+  stores."""
+  del n
+  labels = []
+  for node, mirror in zip(layout.outer_leaves, layout.mirror):
+    if mirror:
+      labels.extend(i for i, entry in enumerate(params_def.flatten_up_to(node))
+                    for _ in jax.tree.leaves(entry, is_leaf=qarray.is_quantized))
+    else:
+      labels.extend([-1] * len(jax.tree.leaves(node, is_leaf=qarray.is_quantized)))
+  return labels
 
 
 NOT_SEPARABLE_HINT = (

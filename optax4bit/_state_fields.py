@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from optax4bit import _validation
+from optax4bit import recipes
 from optax4bit.quant import array as qarray
 from optax4bit.quant.spec import QuantSpec, as_spec
 
@@ -25,7 +26,7 @@ NON_NEGATIVE = "non-negative"
 # Copies of the parameters (an initial point, schedule-free's z): 4 bits would
 # move the point itself, not an estimate of a statistic.
 PARAMETER_COPY = "parameter copy"
-DEFAULT_SPECS = {
+PAPER_SPECS = {
     SIGNED: QuantSpec.parse("B128/DE"),
     # An EMA whose decay is close to 1 (Lion's b2 = 0.99, AdEMAMix's b3 =
     # 0.9999) moves by 1% or less of its value per step, much less than half a
@@ -37,11 +38,12 @@ DEFAULT_SPECS = {
 }
 
 # State classes of optax (and optax.contrib) whose per-parameter fields the
-# default classification knows: signed fields get B128/DE, slow signed EMAs
-# B128/DE with stochastic rounding, non-negative ones (second-moment-like)
-# Rank-1/Linear, copies of the parameters stay in full precision. Fields never shaped like a parameter
-# (FactoredState.v_row / v_col of factored leaves, novograd's per-leaf norm,
-# SM3's per-axis accumulators) are listed for completeness.
+# default classification knows: signed fields, slow signed EMAs, non-negative
+# ones (second-moment-like) and copies of the parameters (kept in full
+# precision); see `default_spec` for the quantizer of each kind. Fields
+# never shaped like a parameter (FactoredState.v_row / v_col of factored
+# leaves, novograd's per-leaf norm, SM3's per-axis accumulators) are listed
+# for completeness.
 KNOWN_STATE_FIELDS: dict = {
     "ScaleByAdamState": {"mu": SIGNED, "nu": NON_NEGATIVE},
     "ScaleByAmsgradState": {"mu": SIGNED, "nu": NON_NEGATIVE, "nu_max": NON_NEGATIVE},
@@ -77,6 +79,7 @@ KNOWN_STATE_FIELDS: dict = {
     "ScheduleFreeState": {"z": PARAMETER_COPY},
     "DoGState": {"init_params": PARAMETER_COPY},
     "DoWGState": {"init_params": PARAMETER_COPY},
+    "MechanicState": {"x0": PARAMETER_COPY},
 }
 
 
@@ -100,7 +103,7 @@ def split_state(state, params_def, *, prefix: bool = False) -> StateSplit:
   def is_mirror(x):
     if not prefix:
       return jax.tree.structure(x, is_leaf=qarray.is_quantized) == params_def
-    if qarray.is_quantized(x) or not jax.tree.leaves(x, is_leaf=qarray.is_quantized):
+    if qarray.is_quantized(x):
       return False
     try:
       params_def.flatten_up_to(x)
@@ -167,8 +170,19 @@ def check_spec_value(value, where: str):
   return as_spec(value, argname=where)
 
 
+def default_spec(kind: str, recipe: str) -> Optional[QuantSpec]:
+  """The quantizer of a `KNOWN_STATE_FIELDS` kind: `PAPER_SPECS` for
+  ``recipe="paper"``; for ``"default"``, the library
+  recipe's first-moment quantizer (stochastic) for signed fields and its
+  second-moment quantizer for non-negative ones."""
+  if recipe == "paper" or kind == PARAMETER_COPY:
+    return PAPER_SPECS[kind]
+  chosen = recipes.resolve(recipe)
+  return chosen.second_moment if kind == NON_NEGATIVE else chosen.first_moment
+
+
 def plan_specs(abstract_state, params, params_def, layout: StateSplit, spec_for,
-                min_quantize_size: int, quantize_mask) -> list:
+               min_quantize_size: int, quantize_mask, recipe: str) -> list:
   """``specs[k][i]``: the `QuantSpec` of mirror ``k``'s leaf for parameter
   ``i`` (None: full precision); ``None`` for shared outer leaves."""
   param_leaves = params_def.flatten_up_to(params)
@@ -225,7 +239,7 @@ def plan_specs(abstract_state, params, params_def, layout: StateSplit, spec_for,
               f"but is not a field this library knows. Pass spec_for, e.g. "
               f"spec_for={{{field!r}: 'B128/DE'}} if it can be negative, 'Rank-1/Linear' if it "
               f"is non-negative (second-moment-like), or None to keep it in full precision.")
-        value = DEFAULT_SPECS[kind]
+        value = default_spec(kind, recipe)
       elif value is not None and kind in (SIGNED, SIGNED_SLOW, PARAMETER_COPY) and not value.signed:
         raise ValueError(
             f"spec_for gives the unsigned spec {value} to {where} ({name}.{field}), which can "

@@ -1,4 +1,5 @@
-"""Ready-made optimizers, built with ``optax.chain`` like optax's aliases."""
+"""Ready-made optimizers, built with ``optax.chain`` like optax's aliases (the
+presets of `quantize_state` for optax's own optimizers are in `optax4bit.presets`)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,13 @@ from optax4bit import transform
 from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn, check_hyperparam
 from optax4bit.dispatch import Implementation
 from optax4bit.quant.spec import QuantSpec, SpecLike
-from optax4bit.wrappers import quantize_state
 
 __all__ = [
     "adam_4bit",
     "adamw_4bit",
     "adamw_4bit_factor",
     "adamw_8bit",
-    "ademamix_4bit",
     "inject_hyperparams",
-    "lion_4bit",
     "sgdm_4bit",
 ]
 
@@ -369,163 +367,6 @@ def sgdm_4bit(
           momentum, nesterov, recipe=recipe, first_moment=first_moment, min_quantize_size=min_quantize_size,
           quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
           implementation=implementation),
-      optax.scale_by_learning_rate(learning_rate),
-  )
-
-
-# Presets of `quantize_state` for optax's optimizers.
-
-
-def lion_4bit(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.99,
-    mu_dtype: Optional[Any] = None,
-    weight_decay: optax.ScalarOrSchedule = 1e-3,
-    mask: MaskOrFn = None,
-    *,
-    spec_for=None,
-    min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
-    quantize_mask: MaskOrFn = None,
-    implementation: str = "auto",
-    seed: int = 0,
-    chunk_size: Optional[int] = None,
-) -> optax.GradientTransformationExtraArgs:
-  """Lion with a 4-bit momentum: a drop-in for ``optax.lion``.
-
-  The momentum is stored ``B128/DE`` with stochastic rounding (the
-  `quantize_state` default for ``ScaleByLionState.mu``): Lion's momentum is an
-  EMA with decay ``b2 = 0.99``, which round-to-nearest at 4 bits freezes.
-
-  ``optax.chain(quantize_state(optax.scale_by_lion(b1, b2, mu_dtype)),
-  optax.add_decayed_weights(weight_decay, mask),
-  optax.scale_by_learning_rate(learning_rate))``, the composition of
-  ``optax.lion`` with only the stateful part wrapped. About 0.53 byte of
-  state per parameter instead of 4.
-
-  Args:
-    learning_rate: a float or an ``optax`` schedule.
-    b1: rate to combine the momentum and the current gradient.
-    b2: decay rate of the momentum.
-    mu_dtype: dtype of the momentum when kept unquantized.
-    weight_decay: decoupled weight decay (as in ``optax.lion``).
-    mask: which leaves get weight decay.
-    spec_for: see `quantize_state` (e.g. ``{"mu": "B2048/DE"}``).
-    min_quantize_size: leaves with at most this many elements stay in full
-      precision.
-    quantize_mask: pytree of bools or callable; ``False`` leaves stay in
-      full precision.
-    implementation: ``"auto"`` / ``"jnp"`` (see `quantize_state`).
-    seed: seed of stochastic rounding.
-    chunk_size: elements per chunk of the update (bounds transient memory).
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, optax4bit
-    >>> tx = optax4bit.lion_4bit(learning_rate=1e-4)
-    >>> params = {"w": jnp.zeros((1024, 1024))}
-    >>> state = tx.init(params)
-    >>> round(optax4bit.state_nbytes(state) / (1024 * 1024), 3)
-    0.531
-    >>> grads = {"w": jnp.ones((1024, 1024))}
-    >>> updates, state = jax.jit(tx.update)(grads, state, params)
-    >>> round(float(updates["w"][0, 0]), 6)
-    -0.0001
-  """
-  _check_learning_rate(learning_rate)
-  _check_weight_decay(weight_decay)
-  check_hyperparam("b1", b1, low=0, high=1)
-  check_hyperparam("b2", b2, low=0, high=1)
-  return optax.chain(
-      quantize_state(optax.scale_by_lion(b1=b1, b2=b2, mu_dtype=mu_dtype), spec_for=spec_for,
-                     min_quantize_size=min_quantize_size, quantize_mask=quantize_mask,
-                     implementation=implementation, per_leaf=True, seed=seed,
-                     chunk_size=chunk_size),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
-  )
-
-
-def ademamix_4bit(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    b3: optax.ScalarOrSchedule = 0.9999,
-    alpha: optax.ScalarOrSchedule = 5.0,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
-    weight_decay: float = 0.0,
-    mask: MaskOrFn = None,
-    *,
-    spec_for=None,
-    min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
-    quantize_mask: MaskOrFn = None,
-    implementation: str = "auto",
-    seed: int = 0,
-    chunk_size: Optional[int] = None,
-) -> optax.GradientTransformationExtraArgs:
-  """AdEMAMix with 4-bit states: a drop-in for ``optax.contrib.ademamix``.
-
-  Both EMAs of the gradient (``m1``, ``m2``) are stored ``B128/DE`` and the
-  second moment ``nu`` ``Rank-1/Linear``: about 1.6 bytes of state per
-  parameter instead of 12. The composition of ``optax.contrib.ademamix`` with
-  the stateful part wrapped:
-  ``optax.chain(quantize_state(optax.contrib.scale_by_ademamix(...)),
-  optax.add_decayed_weights(weight_decay, mask),
-  optax.scale_by_learning_rate(learning_rate))``.
-
-  Only available when the installed optax has
-  ``optax.contrib.scale_by_ademamix`` (optax >= 0.2.4); otherwise raises
-  ``NotImplementedError``.
-
-  Args:
-    learning_rate: a float or an ``optax`` schedule.
-    b1: decay rate of the fast EMA.
-    b2: decay rate of the second moment.
-    b3: decay rate of the slow EMA (a float or a schedule).
-    alpha: mixing coefficient of the slow EMA (a float or a schedule).
-    eps: term added to the denominator outside the square root.
-    eps_root: term added to the second moment inside the square root.
-    mu_dtype: dtype of the accumulators when kept unquantized.
-    weight_decay: decoupled weight decay (as in ``optax.contrib.ademamix``).
-    mask: which leaves get weight decay.
-    spec_for: see `quantize_state`.
-    min_quantize_size: leaves with at most this many elements stay in full
-      precision.
-    quantize_mask: pytree of bools or callable; ``False`` leaves stay in
-      full precision.
-    implementation: ``"auto"`` / ``"jnp"`` (see `quantize_state`).
-    seed: seed of stochastic rounding.
-    chunk_size: elements per chunk of the update (bounds transient memory).
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
-
-  Example:
-    >>> import jax.numpy as jnp, optax4bit
-    >>> tx = optax4bit.ademamix_4bit(learning_rate=1e-3)
-    >>> state = tx.init({"w": jnp.zeros((1024, 1024))})
-    >>> round(optax4bit.state_nbytes(state) / (1024 * 1024), 2)
-    1.57
-  """
-  contrib = getattr(optax, "contrib", None)
-  scale_by_ademamix = getattr(contrib, "scale_by_ademamix", None)
-  if scale_by_ademamix is None:
-    raise NotImplementedError(
-        f"ademamix_4bit needs optax.contrib.scale_by_ademamix, which optax {optax.__version__} "
-        "does not have (optax >= 0.2.4 does).")
-  _check_learning_rate(learning_rate)
-  _check_weight_decay(weight_decay)
-  return optax.chain(
-      quantize_state(scale_by_ademamix(b1=b1, b2=b2, b3=b3, alpha=alpha, eps=eps,
-                                       eps_root=eps_root, mu_dtype=mu_dtype),
-                     spec_for=spec_for, min_quantize_size=min_quantize_size,
-                     quantize_mask=quantize_mask, implementation=implementation,
-                     per_leaf=True, seed=seed, chunk_size=chunk_size),
-      optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )
 

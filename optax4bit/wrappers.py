@@ -51,6 +51,7 @@ import optax
 from optax4bit import _quantize_state as _impl
 from optax4bit import _state_fields
 from optax4bit import _validation
+from optax4bit import recipes
 from optax4bit._quantize_state import QuantizedState
 from optax4bit._state_fields import KNOWN_STATE_FIELDS
 from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn
@@ -84,6 +85,7 @@ def quantize_state(
     per_leaf: Optional[bool] = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
+    recipe: str = "default",
 ) -> optax.GradientTransformationExtraArgs:
   """Stores the state of any optax transformation quantized (4-bit by default).
 
@@ -99,16 +101,21 @@ def quantize_state(
   factored ``v_row`` / ``v_col``) stay as they are.
 
   Which quantizer: read from the optax state class and field name
-  (`KNOWN_STATE_FIELDS`). Signed fields (``ScaleByAdamState.mu``,
-  ``TraceState.trace``, ``EmaState.ema``, ...) get ``B128/DE``; non-negative,
-  second-moment-like fields (``ScaleByAdamState.nu``,
-  ``ScaleByAmsgradState.nu_max``, ``ScaleByRmsState.nu``, ``FactoredState.v``,
-  ...) get ``Rank-1/Linear``; slow EMAs (``ScaleByLionState.mu`` with decay
-  0.99, ``ScaleByAdemamixState.m2`` with 0.9999) get ``B128/DE`` with
-  stochastic rounding, because an EMA that moves by 1% or less per step is
-  frozen by round-to-nearest at 4 bits (measured: 4-bit Lion on a least-squares
-  problem stalls at loss 18 with nearest rounding and reaches 4e-9, like
-  float32, with stochastic rounding; see benchmarks/RESULTS.md). An eligible
+  (`KNOWN_STATE_FIELDS`), with the quantizers of ``recipe``. With the
+  default recipe (that of `adamw_4bit`), signed fields
+  (``ScaleByAdamState.mu``, ``TraceState.trace``, ``EmaState.ema``, ...) get
+  ``B128/NF`` with stochastic rounding, non-negative, second-moment-like
+  fields (``ScaleByAdamState.nu``, ``ScaleByAmsgradState.nu_max``,
+  ``ScaleByRmsState.nu``, ``FactoredState.v``, ...) get ``Rank-1/SqrtDE-0``;
+  copies of the parameters (``init_params``, ``params0``, schedule-free's
+  ``z``) stay in full precision. Stochastic rounding matters most for slow
+  EMAs (``ScaleByLionState.mu`` with decay 0.99, ``ScaleByAdemamixState.m2``
+  with 0.9999): an EMA that moves by 1% or less per step is frozen by
+  round-to-nearest at 4 bits (measured: 4-bit Lion on a least-squares problem
+  stalls at loss 18 with nearest rounding and reaches 4e-9, like float32,
+  with stochastic rounding; see benchmarks/RESULTS.md); ``recipe="paper"``
+  therefore gives those ``B128/DE`` with stochastic rounding and other
+  signed fields ``B128/DE``, non-negative ones ``Rank-1/Linear``. An eligible
   leaf of any other field raises a ``ValueError`` naming its path unless
   ``spec_for`` covers it.
 
@@ -131,12 +138,14 @@ def quantize_state(
   optimizers, not of anything computing a global norm
   (``clip_by_global_norm``, ``apply_if_finite``, line searches, L-BFGS) or
   using a pytree-valued mask inside ``inner`` (a callable mask gets the bare
-  array). With ``per_leaf=None``, ``init`` verifies it by tracing
-  ``inner.init`` and ``inner.update`` abstractly and following the data
-  dependencies of their jaxprs, and raises if one leaf's outputs depend on
-  another leaf; it cannot see dependencies that are not data dependencies
-  (e.g. a random key split by the number of leaves, as in
-  ``optax.add_noise``). Keep such transformations outside the wrapper:
+  array). With ``per_leaf=None``, ``init`` and ``update`` verify it by
+  tracing ``inner.init`` and ``inner.update`` (with the extra arguments it
+  is called with) abstractly and following the data dependencies of their
+  jaxprs; if one leaf's outputs depend on another leaf, that function runs
+  on the whole tree instead, with a warning. The check cannot see
+  dependencies that are not data dependencies (e.g. a random key split by the
+  number of leaves, as in ``optax.add_noise``). Keep non-separable
+  transformations outside the wrapper to run leaf by leaf:
   ``optax.chain(optax.clip_by_global_norm(1.0), quantize_state(optax.adam(lr)))``.
 
   Args:
@@ -157,8 +166,9 @@ def quantize_state(
     implementation: ``"auto"`` or ``"jnp"`` (the same: the decode and encode
       are jnp). ``"pallas"`` raises ``NotImplementedError``: the update is a
       black box and cannot be fused into a kernel.
-    per_leaf: ``None`` (default): leaf by leaf, after checking that ``inner``
-      is leaf-separable (raises otherwise). ``True``: leaf by leaf without
+    per_leaf: ``None`` (default): leaf by leaf where the check shows that
+      ``inner`` is leaf-separable, otherwise on the whole tree with a
+      ``UserWarning`` naming the dependency. ``True``: leaf by leaf without
       the check. ``False``: ``inner.update`` on the whole tree (for
       non-separable transformations; every leaf's decompressed state then
       exists at once).
@@ -167,6 +177,10 @@ def quantize_state(
       reproducible.
     chunk_size: elements per chunk for leaves updated in chunks (default
       2**18).
+    recipe: the quantizers of the known fields: ``"default"`` (the library
+      recipe of `optax4bit.recipes`, as described above) or ``"paper"``
+      (signed fields ``B128/DE``, slow EMAs ``B128/DE`` with stochastic
+      rounding, non-negative fields ``Rank-1/Linear``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with `QuantizedState`.
@@ -177,9 +191,9 @@ def quantize_state(
     >>> state = tx.init({"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(1024)})
     >>> adam_state = state.inner_state[0]
     >>> adam_state.mu["w"]
-    QuantizedArray(B128/DE (4-bit, signed), shape=(1024, 1024), dtype=float32)
+    QuantizedArray(B128/NF (4-bit, signed, stochastic), shape=(1024, 1024), dtype=float32)
     >>> adam_state.nu["w"]
-    QuantizedArray(Rank-1/Linear (4-bit, unsigned), shape=(1024, 1024), dtype=float32)
+    QuantizedArray(Rank-1/SqrtDE-0 (4-bit, unsigned), shape=(1024, 1024), dtype=float32)
     >>> adam_state.nu["b"].dtype  # 1024 elements <= min_quantize_size: float32
     dtype('float32')
     >>> round(optax4bit.state_nbytes(state) / (1024 * 1024 + 1024), 2)
@@ -200,8 +214,10 @@ def quantize_state(
       if not isinstance(key, str):
         raise ValueError(f"spec_for keys must be field names (str), got {key!r}.")
       _state_fields.check_spec_value(value, f"spec_for[{key!r}]")
+  if recipe not in recipes.RECIPES:
+    raise ValueError(f"recipe must be one of {tuple(recipes.RECIPES)}, got {recipe!r}.")
   config = _impl.Config(optax.with_extra_args_support(inner), spec_for, min_quantize_size,
-                        quantize_mask, per_leaf, seed, chunk)
+                        quantize_mask, per_leaf, seed, chunk, recipe)
 
   def init_fn(params):
     return _impl.init(config, _impl.plain_arrays(params))

@@ -90,7 +90,8 @@ def test_unquantized_equals_inner_optimizer():
 
 def test_adam_matches_adam_4bit():
   params = random_params()
-  a = run(optax4bit.quantize_state(optax.adam(1e-2), min_quantize_size=0), params, 4)
+  a = run(optax4bit.quantize_state(optax.adam(1e-2), min_quantize_size=0, recipe="paper"),
+          params, 4)
   b = run(optax4bit.adam_4bit(1e-2, recipe="paper", min_quantize_size=0), params, 4)
   qa, qb = quantized_leaves(a[1]), quantized_leaves(b[1])
   assert len(qa) == len(qb) == 6
@@ -107,7 +108,8 @@ def test_adam_matches_adam_4bit():
 
 def test_sgd_momentum_matches_sgdm_4bit():
   params = random_params(1)
-  a = run(optax4bit.quantize_state(optax.sgd(0.1, momentum=0.9), min_quantize_size=0), params, 3)
+  a = run(optax4bit.quantize_state(optax.sgd(0.1, momentum=0.9), min_quantize_size=0,
+                                   recipe="paper"), params, 3)
   b = run(optax4bit.sgdm_4bit(0.1, momentum=0.9, recipe="paper", min_quantize_size=0), params, 3)
   for x, y in zip(quantized_leaves(a[1]), quantized_leaves(b[1])):
     mismatched = int(np.sum(np.asarray(x.codes) != np.asarray(y.codes)))
@@ -157,7 +159,7 @@ def test_matches_algorithm1_on_the_whole_tree(name):
         return "Rank-1/Linear"
       return None  # v_row / v_col, counts
 
-  tx = optax4bit.quantize_state(inner, min_quantize_size=0, spec_for=spec_for)
+  tx = optax4bit.quantize_state(inner, min_quantize_size=0, spec_for=spec_for, recipe="paper")
   got_params, _, got = run(tx, params, 3)
   want_params, want = algorithm1(inner, params, 3, specs)
   for ua, ub in zip(got, want):
@@ -250,26 +252,42 @@ def test_converges(name):
 # Which leaves are quantized, and how.
 
 
-def test_default_classification():
+def test_paper_classification():
   params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32),
             "b": jax.ShapeDtypeStruct((256,), jnp.float32)}
   init = lambda tx: jax.eval_shape(tx.init, params)  # noqa: E731  (specs are static)
-  state = init(optax4bit.quantize_state(optax.adam(1e-3), min_quantize_size=1000))
+  state = init(optax4bit.quantize_state(optax.adam(1e-3), min_quantize_size=1000,
+                                          recipe="paper"))
   adam = state.inner_state[0]
   assert adam.mu["w"].spec == QuantSpec.parse("B128/DE")
   assert adam.nu["w"].spec == QuantSpec.parse("Rank-1/Linear")
   assert not is_qa(adam.mu["b"]) and adam.mu["b"].dtype == jnp.float32  # 256 <= 1000
   assert adam.count.dtype == jnp.int32 and adam.count.shape == ()
-  lion = init(optax4bit.quantize_state(optax.lion(1e-3))).inner_state[0]
+  lion = init(optax4bit.quantize_state(optax.lion(1e-3), recipe="paper")).inner_state[0]
   assert lion.mu["w"].spec == QuantSpec.parse("B128/DE", stochastic=True)
   # adafactor: v_row / v_col are not shaped like the parameter and stay float32.
-  ada = optax4bit.quantize_state(optax.adafactor(1e-3, momentum=0.9), min_quantize_size=0)
+  ada = optax4bit.quantize_state(optax.adafactor(1e-3, momentum=0.9), min_quantize_size=0,
+                                 recipe="paper")
   factored, ema = init(ada).inner_state[0], init(ada).inner_state[4]
   assert not is_qa(factored.v_row["w"]) and factored.v_row["w"].shape == (256,)
   assert is_qa(factored.v["b"]) and factored.v["b"].spec.name == "Rank-1/Linear"
   assert is_qa(ema.ema["w"]) and ema.ema["w"].spec.name == "B128/DE"
-  amsgrad = init(optax4bit.quantize_state(optax.amsgrad(1e-3))).inner_state[0]
+  amsgrad = init(optax4bit.quantize_state(optax.amsgrad(1e-3), recipe="paper")).inner_state[0]
   assert amsgrad.nu_max["w"].spec.name == "Rank-1/Linear"
+
+
+def test_default_classification_is_the_library_recipe():
+  params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+  init = lambda tx: jax.eval_shape(tx.init, params)  # noqa: E731  (specs are static)
+  recipe = optax4bit.recipes.RECIPES["default"]
+  adam = init(optax4bit.quantize_state(optax.adam(1e-3))).inner_state[0]
+  assert adam.mu["w"].spec == recipe.first_moment and adam.mu["w"].spec.stochastic
+  assert adam.nu["w"].spec == recipe.second_moment
+  lion = init(optax4bit.quantize_state(optax.lion(1e-3))).inner_state[0]
+  assert lion.mu["w"].spec == recipe.first_moment
+  # A copy of the parameters stays in full precision.
+  dog = init(optax4bit.quantize_state(optax.contrib.dog())).inner_state
+  assert not quantized_leaves(dog)
 
 
 def test_masks_and_spec_for_overrides():
@@ -430,7 +448,7 @@ def test_lion_4bit_is_the_optax_lion_composition():
 
 def test_ademamix_4bit():
   params = {"w": jax.random.normal(jax.random.key(5), (64, 128))}
-  tx = optax4bit.ademamix_4bit(1e-3, min_quantize_size=0)
+  tx = optax4bit.ademamix_4bit(1e-3, min_quantize_size=0, recipe="paper")
   state = tx.init(params)
   ademamix = state[0].inner_state
   assert ademamix.m1["w"].spec == QuantSpec.parse("B128/DE")
