@@ -455,13 +455,24 @@ inline F16 HashedUniform16(UI16 index, uint32_t seed) {
 // optax4bit.quant.maps.encode_stochastic (n clipped to the table; lower = the
 // largest k with table[k] <= n; up by one where the draw u < (n - table[lower])
 // / gap, gap = table[lower + 1] - table[lower], 0 at the top entry).
+//
+// Stochastic rounding finds lower by one lookup where the map allows (NF's
+// entries do, DE's crowd near 0 and take the binary search): split [lowest,
+// highest] into 32 cells by a monotone function of n; where no cell holds two
+// of table[1..15], cell_lower[c] counts those in the cells below n's cell c
+// and one compare with the next entry settles the one c may hold.
 struct FirstMomentRounding {
+  static constexpr int kCells = 32;
   Bounds thresholds;  // nearest: the 15 midpoint thresholds
-  Bounds entries;     // stochastic: table[1..15]
+  Bounds entries;     // stochastic, binary search: table[1..15]
   F16 table;
   // gap[k] = table[k + 1] - table[k] where that is > 0, else 1 (then n -
   // table[k] is 0: only n = table[15] is left there by the clip).
   F16 gap;
+  F16 next;                           // table[k + 1], +inf for k = 15
+  I16 cell_lower_lo, cell_lower_hi;   // cell_lower[0..15], cell_lower[16..31]
+  float cell_scale, cell_offset;      // n's cell: trunc(n * cell_scale + cell_offset)
+  bool cells;                         // lower by cell lookup (else binary search)
   float lowest, highest;
   uint32_t seed;
 
@@ -472,20 +483,43 @@ struct FirstMomentRounding {
     for (int k = 0; k < kTableSize; ++k) {
       const float gap_k = values[std::min<int>(k + 1, kTableSize - 1)] - values[k];
       gap[k] = gap_k > 0.0f ? gap_k : 1.0f;
+      next[k] = k + 1 < kTableSize ? values[k + 1] : INFINITY;
+    }
+    cell_scale = (kCells - 0.5f) / (highest - lowest);
+    cell_offset = -lowest * cell_scale;
+    // Every clipped n lands in [0, kCells), each cell holds one entry at most.
+    cells = std::isfinite(cell_scale) && cell_scale > 0.0f && Cell(lowest) > -1.0f &&
+            Cell(highest) < kCells;
+    int count = 0;
+    for (int c = 0; c < kCells && cells; ++c) {
+      const int lower = count;
+      while (count < kTableSize - 1 && (int)Cell(values[count + 1]) <= c) ++count;
+      cells = count - lower <= 1;
+      (c < 16 ? cell_lower_lo[c] : cell_lower_hi[c - 16]) = lower;
     }
   }
 
-  template <bool kStochastic>
+  float Cell(float n) const { return MulAdd(n, cell_scale, cell_offset); }
+
+  template <bool kStochastic, bool kCellLookup>
   __attribute__((always_inline)) I16 Codes(F16 n, UI16 index) const {
     if constexpr (!kStochastic) {
       return CountAbove<false>(thresholds, n);
     } else {
       n = n > lowest ? n : lowest;
       n = n < highest ? n : highest;
-      const I16 lower = CountAbove<true>(entries, n);
+      I16 lower;
+      if constexpr (kCellLookup) {
+        const I16 cell = __builtin_convertvector(
+            MulAdd16(n, F16{} + cell_scale, F16{} + cell_offset), I16);
+        lower = __builtin_shuffle(cell_lower_lo, cell_lower_hi, cell);
+        lower -= n >= __builtin_shuffle(next, lower);  // a true compare is -1
+      } else {
+        lower = CountAbove<true>(entries, n);
+      }
       const F16 probability =
           (n - __builtin_shuffle(table, lower)) / __builtin_shuffle(gap, lower);
-      return lower - (HashedUniform16(index, seed) < probability);  // a true compare is -1
+      return lower - (HashedUniform16(index, seed) < probability);
     }
   }
 };
@@ -493,13 +527,15 @@ struct FirstMomentRounding {
 // B128 codes of one row of m: block maxima, then the codes of the normalized
 // values. row_index: the flat index (mod 2**32) of the row's first element
 // in the leaf, for stochastic rounding's draws.
-template <bool kStochastic>
+template <bool kStochastic, bool kCellLookup>
 __attribute__((always_inline)) inline void EncodeFirstMomentT(
-    int64_t h, const float* __restrict m, const FirstMomentRounding& rounding,
+    int64_t h, const float* __restrict m, const FirstMomentRounding& shared_rounding,
     uint32_t row_index, float* __restrict block_scales, uint8_t* __restrict codes) {
   // Blocks in groups of 16: the maxima, then their reciprocals, then the
   // codes, so that no block waits on its own division.
   constexpr int64_t kGroup = 16;
+  // A copy the code stores cannot alias: it stays in registers.
+  const FirstMomentRounding rounding = shared_rounding;
   const int64_t blocks = h / kBlockBytes;
   for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
     const int64_t n = std::min(kGroup, blocks - b0);
@@ -520,8 +556,9 @@ __attribute__((always_inline)) inline void EncodeFirstMomentT(
         xe = xe == xe ? xe : 0.0f;
         xo = xo == xo ? xo : 0.0f;
         const UI16 even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
-        StoreCodes16(codes + j, rounding.Codes<kStochastic>(xe, even_index) |
-                                    (rounding.Codes<kStochastic>(xo, even_index + 1) << 4));
+        StoreCodes16(codes + j, rounding.Codes<kStochastic, kCellLookup>(xe, even_index) |
+                                    (rounding.Codes<kStochastic, kCellLookup>(xo, even_index + 1)
+                                     << 4));
       }
     }
   }
@@ -530,10 +567,12 @@ __attribute__((always_inline)) inline void EncodeFirstMomentT(
 OPTAX4BIT_HOT void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
                                      const FirstMomentRounding& rounding, uint32_t row_index,
                                      float* __restrict block_scales, uint8_t* __restrict codes) {
-  if (stochastic) {
-    EncodeFirstMomentT<true>(h, m, rounding, row_index, block_scales, codes);
+  if (!stochastic) {
+    EncodeFirstMomentT<false, false>(h, m, rounding, row_index, block_scales, codes);
+  } else if (rounding.cells) {
+    EncodeFirstMomentT<true, true>(h, m, rounding, row_index, block_scales, codes);
   } else {
-    EncodeFirstMomentT<false>(h, m, rounding, row_index, block_scales, codes);
+    EncodeFirstMomentT<true, false>(h, m, rounding, row_index, block_scales, codes);
   }
 }
 
