@@ -444,10 +444,9 @@ inline UI16 Mix32(UI16 x) {
 constexpr UI16 kEvenIndex = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 
 // The U[0, 1) draws of maps.hashed_uniform for 16 elements with flat indices
-// index (mod 2**32): (mix32(index ^ seed) >> 8) * 2**-24, exact in float32.
-inline F16 HashedUniform16(UI16 index, uint32_t seed) {
-  const UI16 bits = Mix32(index ^ seed) >> 8;
-  return __builtin_convertvector((I16)bits, F16) * 0x1p-24f;
+// index (mod 2**32), times 2**24: mix32(index ^ seed) >> 8, exact in float32.
+inline F16 HashedUniform16Times2p24(UI16 index, uint32_t seed) {
+  return __builtin_convertvector((I16)(Mix32(index ^ seed) >> 8), F16);
 }
 
 // How a row of the first moment is rounded to codes: to the nearest entry
@@ -456,11 +455,15 @@ inline F16 HashedUniform16(UI16 index, uint32_t seed) {
 // largest k with table[k] <= n; up by one where the draw u < (n - table[lower])
 // / gap, gap = table[lower + 1] - table[lower], 0 at the top entry).
 //
-// Stochastic rounding finds lower by one lookup where the map allows (NF's
-// entries do, DE's crowd near 0 and take the binary search): split [lowest,
-// highest] into 32 cells by a monotone function of n; where no cell holds two
-// of table[1..15], cell_lower[c] counts those in the cells below n's cell c
-// and one compare with the next entry settles the one c may hold.
+// Stochastic rounding takes a faster path where the map allows (NF's entries
+// do; DE's crowd near 0 and take the general one):
+// * lower by one lookup: split [lowest, highest] into 32 cells by a monotone
+//   function of n; where no cell holds two of table[1..15], cell_lower[c]
+//   counts those in the cells below n's cell c and one compare with the next
+//   entry settles the one c may hold;
+// * u < p as u 2**24 < (n - table[lower]) / (gap 2**-24): scaling by powers of
+//   two commutes with rounding where p is normal or 0, and it is for gaps in
+//   [2**-100, 1] (n - table[lower] is 0 or normal, subnormals being flushed).
 struct FirstMomentRounding {
   static constexpr int kCells = 32;
   Bounds thresholds;  // nearest: the 15 midpoint thresholds
@@ -469,10 +472,11 @@ struct FirstMomentRounding {
   // gap[k] = table[k + 1] - table[k] where that is > 0, else 1 (then n -
   // table[k] is 0: only n = table[15] is left there by the clip).
   F16 gap;
+  F16 gap_2m24;                       // gap 2**-24
   F16 next;                           // table[k + 1], +inf for k = 15
   I16 cell_lower_lo, cell_lower_hi;   // cell_lower[0..15], cell_lower[16..31]
   float cell_scale, cell_offset;      // n's cell: trunc(n * cell_scale + cell_offset)
-  bool cells;                         // lower by cell lookup (else binary search)
+  bool fast;                          // the faster stochastic path applies
   float lowest, highest;
   uint32_t seed;
 
@@ -483,43 +487,48 @@ struct FirstMomentRounding {
     for (int k = 0; k < kTableSize; ++k) {
       const float gap_k = values[std::min<int>(k + 1, kTableSize - 1)] - values[k];
       gap[k] = gap_k > 0.0f ? gap_k : 1.0f;
+      gap_2m24[k] = gap[k] * 0x1p-24f;
       next[k] = k + 1 < kTableSize ? values[k + 1] : INFINITY;
     }
     cell_scale = (kCells - 0.5f) / (highest - lowest);
     cell_offset = -lowest * cell_scale;
     // Every clipped n lands in [0, kCells), each cell holds one entry at most.
-    cells = std::isfinite(cell_scale) && cell_scale > 0.0f && Cell(lowest) > -1.0f &&
-            Cell(highest) < kCells;
+    fast = std::isfinite(cell_scale) && cell_scale > 0.0f && Cell(lowest) > -1.0f &&
+           Cell(highest) < kCells;
+    for (int k = 0; k < kTableSize; ++k) fast &= gap[k] >= 0x1p-100f && gap[k] <= 1.0f;
     int count = 0;
-    for (int c = 0; c < kCells && cells; ++c) {
+    for (int c = 0; c < kCells && fast; ++c) {
       const int lower = count;
       while (count < kTableSize - 1 && (int)Cell(values[count + 1]) <= c) ++count;
-      cells = count - lower <= 1;
+      fast = count - lower <= 1;
       (c < 16 ? cell_lower_lo[c] : cell_lower_hi[c - 16]) = lower;
     }
   }
 
   float Cell(float n) const { return MulAdd(n, cell_scale, cell_offset); }
 
-  template <bool kStochastic, bool kCellLookup>
+  template <bool kStochastic, bool kFast>
   __attribute__((always_inline)) I16 Codes(F16 n, UI16 index) const {
     if constexpr (!kStochastic) {
       return CountAbove<false>(thresholds, n);
     } else {
       n = n > lowest ? n : lowest;
       n = n < highest ? n : highest;
-      I16 lower;
-      if constexpr (kCellLookup) {
+      const F16 u_2p24 = HashedUniform16Times2p24(index, seed);
+      if constexpr (kFast) {
         const I16 cell = __builtin_convertvector(
             MulAdd16(n, F16{} + cell_scale, F16{} + cell_offset), I16);
-        lower = __builtin_shuffle(cell_lower_lo, cell_lower_hi, cell);
-        lower -= n >= __builtin_shuffle(next, lower);  // a true compare is -1
+        I16 lower = __builtin_shuffle(cell_lower_lo, cell_lower_hi, cell);
+        lower = n >= __builtin_shuffle(next, lower) ? lower + 1 : lower;
+        const F16 p_2p24 =
+            (n - __builtin_shuffle(table, lower)) / __builtin_shuffle(gap_2m24, lower);
+        return u_2p24 < p_2p24 ? lower + 1 : lower;
       } else {
-        lower = CountAbove<true>(entries, n);
+        const I16 lower = CountAbove<true>(entries, n);
+        const F16 probability =
+            (n - __builtin_shuffle(table, lower)) / __builtin_shuffle(gap, lower);
+        return u_2p24 * 0x1p-24f < probability ? lower + 1 : lower;
       }
-      const F16 probability =
-          (n - __builtin_shuffle(table, lower)) / __builtin_shuffle(gap, lower);
-      return lower - (HashedUniform16(index, seed) < probability);
     }
   }
 };
@@ -527,7 +536,7 @@ struct FirstMomentRounding {
 // B128 codes of one row of m: block maxima, then the codes of the normalized
 // values. row_index: the flat index (mod 2**32) of the row's first element
 // in the leaf, for stochastic rounding's draws.
-template <bool kStochastic, bool kCellLookup>
+template <bool kStochastic, bool kFast>
 __attribute__((always_inline)) inline void EncodeFirstMomentT(
     int64_t h, const float* __restrict m, const FirstMomentRounding& shared_rounding,
     uint32_t row_index, float* __restrict block_scales, uint8_t* __restrict codes) {
@@ -556,8 +565,8 @@ __attribute__((always_inline)) inline void EncodeFirstMomentT(
         xe = xe == xe ? xe : 0.0f;
         xo = xo == xo ? xo : 0.0f;
         const UI16 even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
-        StoreCodes16(codes + j, rounding.Codes<kStochastic, kCellLookup>(xe, even_index) |
-                                    (rounding.Codes<kStochastic, kCellLookup>(xo, even_index + 1)
+        StoreCodes16(codes + j, rounding.Codes<kStochastic, kFast>(xe, even_index) |
+                                    (rounding.Codes<kStochastic, kFast>(xo, even_index + 1)
                                      << 4));
       }
     }
@@ -569,7 +578,7 @@ OPTAX4BIT_HOT void EncodeFirstMoment(bool stochastic, int64_t h, const float* __
                                      float* __restrict block_scales, uint8_t* __restrict codes) {
   if (!stochastic) {
     EncodeFirstMomentT<false, false>(h, m, rounding, row_index, block_scales, codes);
-  } else if (rounding.cells) {
+  } else if (rounding.fast) {
     EncodeFirstMomentT<true, true>(h, m, rounding, row_index, block_scales, codes);
   } else {
     EncodeFirstMomentT<true, false>(h, m, rounding, row_index, block_scales, codes);
