@@ -65,6 +65,10 @@ OPTIMIZERS = {
     "adamw_4bit (paper)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper"),
     "adamw_4bit (paper, jnp)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
                                                             implementation="jnp"),
+    # The C++ kernel even where "auto" would not run it (see optax4bit.cpu.faster_than_jnp).
+    "adamw_4bit (cpu)": lambda: optax4bit.adamw_4bit(1e-3, implementation="cpu"),
+    "adamw_4bit (paper, cpu)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
+                                                            implementation="cpu"),
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3),
     "adamw_4bit_factor (paper)": lambda: optax4bit.adamw_4bit_factor(1e-3, recipe="paper"),
     "adamw_8bit": lambda: optax4bit.adamw_8bit(1e-3),
@@ -114,6 +118,10 @@ def main(argv=None):
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, tree {args.tree}: "
         f"{num_params / 1e6:.1f}M params, step: {args.step}")
+  if jax.default_backend() == "cpu":
+    # OPTAX4BIT_CPU_ISA (read when the kernel loads) forces another ISA path.
+    print(f"optax4bit CPU kernel: ISA path {optax4bit.cpu.isa()} of {optax4bit.cpu.isas()}, "
+          f"auto runs it: {optax4bit.cpu.faster_than_jnp()}")
   runs = {}
   for name in args.optimizers:
     tx = OPTIMIZERS[name]()
