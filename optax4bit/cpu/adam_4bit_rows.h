@@ -3,47 +3,101 @@
 // under a `#pragma GCC target` for it (no include guard; what it uses is
 // included and defined before). OPTAX4BIT_ROWS_AVX2 is 1 in the AVX2 path.
 
-// 16-lane vectors (GCC/Clang vector extensions): table lookups become one
-// permute per 16 elements (vpermps on AVX-512) instead of a select tree.
-typedef float F16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-typedef uint32_t UI16 __attribute__((vector_size(64)));
-typedef uint16_t W16 __attribute__((vector_size(32)));
-typedef uint8_t U16 __attribute__((vector_size(16)));
-constexpr I16 kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-constexpr I16 kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+// Vectors of kLanes floats or ints (GCC/Clang vector extensions), as wide as
+// the path's registers: 16 lanes with AVX-512, where a 16-entry table lookup is
+// one permute (vpermps); 8 with AVX2, where it is two and a blend (wider
+// vectors than the registers GCC keeps in memory and permutes element by
+// element). The baseline path takes 16 lanes, as GCC lowers them.
+#if OPTAX4BIT_ROWS_AVX2
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 16;
+#endif
+typedef float VF __attribute__((vector_size(4 * kLanes)));
+typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t VU __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t VW __attribute__((vector_size(2 * kLanes)));
+typedef uint8_t VB __attribute__((vector_size(kLanes)));
+#if OPTAX4BIT_ROWS_AVX2
+constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14};
+constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15};
+#else
+constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#endif
 
-inline F16 LoadF16(const float* p) {
-  F16 v;
+inline VF LoadV(const float* p) {
+  VF v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void StoreF16(float* p, F16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline I16 LoadCodes16(const uint8_t* p) {
-  U16 v;
+inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
+inline VI LoadCodes(const uint8_t* p) {
+  VB v;
   std::memcpy(&v, p, sizeof(v));
   // Widened in two steps: GCC turns a direct uint8 -> int32 conversion into
   // scalar code, this into vpmovzx instructions.
-  return __builtin_convertvector(__builtin_convertvector(v, W16), I16);
+  return __builtin_convertvector(__builtin_convertvector(v, VW), VI);
 }
-inline void StoreCodes16(uint8_t* p, I16 codes) {
-  const U16 v = __builtin_convertvector(codes, U16);
+inline void StoreCodes(uint8_t* p, VI codes) {
+  const VB v = __builtin_convertvector(codes, VB);
   std::memcpy(p, &v, sizeof(v));
 }
+
+// A 16-entry table in registers (a map's entries or thresholds) and a
+// 32-entry one of ints.
+struct Table {
+  VF part[16 / kLanes];
+};
+struct IntTable32 {
+  VI part[32 / kLanes];
+};
+
+inline Table LoadTable(const float* p) {
+  Table t;
+  std::memcpy(t.part, p, sizeof(t.part));
+  return t;
+}
+
+// t[index], index in [0, 16) (in [0, 32) for IntTable32).
+#if OPTAX4BIT_ROWS_AVX2
+// Two 8-entry permutes, blended on the index's bit 3 (moved to the sign bit).
+inline __m256 Lookup8x2(__m256 lo, __m256 hi, __m256i index) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, index),
+                          _mm256_permutevar8x32_ps(hi, index),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+}
+
+inline VF Lookup(const Table& t, VI index) {
+  return (VF)Lookup8x2((__m256)t.part[0], (__m256)t.part[1], (__m256i)index);
+}
+
+inline VI Lookup(const IntTable32& t, VI index) {
+  const __m256i i = (__m256i)index;
+  const __m256 lo = Lookup8x2((__m256)t.part[0], (__m256)t.part[1], i);
+  const __m256 hi = Lookup8x2((__m256)t.part[2], (__m256)t.part[3], i);
+  return (VI)_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i, 27)));
+}
+#else
+inline VF Lookup(const Table& t, VI index) { return __builtin_shuffle(t.part[0], index); }
+inline VI Lookup(const IntTable32& t, VI index) {
+  return __builtin_shuffle(t.part[0], t.part[1], index);
+}
+#endif
 
 // a * b + c rounded once, as XLA's CPU backend contracts a multiply feeding an
 // add (LLVM fuses the add's first operand when both are products). GCC
 // vectorizes these into FMA instructions in the ISA paths that have them.
 inline float MulAdd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-inline F16 MulAdd16(F16 a, F16 b, F16 c) {
+inline VF MulAddV(VF a, VF b, VF c) {
   // Through arrays: a loop GCC vectorizes at any vector width (lane by lane
   // on a vector type wider than the target's, it calls fmaf per element).
-  float x[16], y[16], z[16];
+  float x[kLanes], y[kLanes], z[kLanes];
   std::memcpy(x, &a, sizeof(x));
   std::memcpy(y, &b, sizeof(y));
   std::memcpy(z, &c, sizeof(z));
-  for (int k = 0; k < 16; ++k) x[k] = __builtin_fmaf(x[k], y[k], z[k]);
-  return LoadF16(x);
+  for (int k = 0; k < kLanes; ++k) x[k] = __builtin_fmaf(x[k], y[k], z[k]);
+  return LoadV(x);
 }
 
 // Row kernels. A row of d = 2h elements is split into its even and odd
@@ -56,17 +110,17 @@ void NewFirstMoment(int64_t h, const float* __restrict g,
                                   const float* __restrict block_scales,
                                   const float* __restrict m_table, float b1, float one_minus_b1,
                                   float* __restrict m) {
-  const F16 table = LoadF16(m_table);
+  const Table table = LoadTable(m_table);
   for (int64_t b = 0; b < h / kBlockBytes; ++b) {
     const float s = block_scales[b];
-    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += 16) {
-      const I16 byte = LoadCodes16(codes + j);
-      const F16 ga = LoadF16(g + 2 * j), gb = LoadF16(g + 2 * j + 16);
-      const F16 ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
-      const F16 de_even = __builtin_shuffle(table, byte & 15);
-      const F16 de_odd = __builtin_shuffle(table, byte >> 4);
-      StoreF16(m + j, MulAdd16(F16{} + one_minus_b1, ge, b1 * (de_even * s)));
-      StoreF16(m + h + j, MulAdd16(F16{} + one_minus_b1, go, b1 * (de_odd * s)));
+    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += kLanes) {
+      const VI byte = LoadCodes(codes + j);
+      const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
+      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      const VF de_even = Lookup(table, byte & 15);
+      const VF de_odd = Lookup(table, byte >> 4);
+      StoreV(m + j, MulAddV(VF{} + one_minus_b1, ge, b1 * (de_even * s)));
+      StoreV(m + h + j, MulAddV(VF{} + one_minus_b1, go, b1 * (de_odd * s)));
     }
   }
 }
@@ -91,17 +145,17 @@ __attribute__((always_inline)) inline void NewSecondMomentT(
       v[h + j] = MulAdd(one_minus_b2, go * go, b2 * (((float)(byte >> 4) + 1.0f) * 0.0625f * so));
     }
   } else {
-    const F16 table = LoadF16(v_table);
-    const F16 row = F16{} + row_scale;
-    for (int64_t j = 0; j < h; j += 16) {
-      const I16 byte = LoadCodes16(codes + j);
-      const F16 ga = LoadF16(g + 2 * j), gb = LoadF16(g + 2 * j + 16);
-      const F16 ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
-      const F16 ce = LoadF16(col_even + j), co = LoadF16(col_odd + j);
-      const F16 se = row < ce ? row : ce, so = row < co ? row : co;
-      const F16 c = F16{} + one_minus_b2;
-      StoreF16(v + j, MulAdd16(c, ge * ge, b2 * (__builtin_shuffle(table, byte & 15) * se)));
-      StoreF16(v + h + j, MulAdd16(c, go * go, b2 * (__builtin_shuffle(table, byte >> 4) * so)));
+    const Table table = LoadTable(v_table);
+    const VF row = VF{} + row_scale;
+    for (int64_t j = 0; j < h; j += kLanes) {
+      const VI byte = LoadCodes(codes + j);
+      const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
+      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      const VF ce = LoadV(col_even + j), co = LoadV(col_odd + j);
+      const VF se = row < ce ? row : ce, so = row < co ? row : co;
+      const VF c = VF{} + one_minus_b2;
+      StoreV(v + j, MulAddV(c, ge * ge, b2 * (Lookup(table, byte & 15) * se)));
+      StoreV(v + h + j, MulAddV(c, go * go, b2 * (Lookup(table, byte >> 4) * so)));
     }
   }
 }
@@ -121,18 +175,18 @@ void NewSecondMoment(bool linear, int64_t h, const float* __restrict g,
   }
 }
 
-// |x| as bits, 0 where x is not finite, for 16 lanes: non-negative floats
+// |x| as bits, 0 where x is not finite, lane by lane: non-negative floats
 // order like their bits.
-inline UI16 FiniteAbsBits16(F16 x) {
-  const UI16 u = (UI16)x & 0x7fffffffu;
+inline VU FiniteAbsBits(VF x) {
+  const VU u = (VU)x & 0x7fffffffu;
   return u < 0x7f800000u ? u : 0u;
 }
 
-inline UI16 Max16(UI16 a, UI16 b) { return a > b ? a : b; }
+inline VU MaxV(VU a, VU b) { return a > b ? a : b; }
 
-inline uint32_t HorizontalMax(UI16 x) {
+inline uint32_t HorizontalMax(VU x) {
   uint32_t r = 0;
-  for (int k = 0; k < 16; ++k) r = x[k] > r ? x[k] : r;
+  for (int k = 0; k < kLanes; ++k) r = x[k] > r ? x[k] : r;
   return r;
 }
 
@@ -141,15 +195,15 @@ inline uint32_t HorizontalMax(UI16 x) {
 void SecondMomentMaxima(int64_t h, const float* __restrict v, float* __restrict row,
                                       uint32_t* __restrict col_even,
                                       uint32_t* __restrict col_odd) {
-  UI16 r = {};
-  for (int64_t j = 0; j < h; j += 16) {
-    const UI16 e = FiniteAbsBits16(LoadF16(v + j)), o = FiniteAbsBits16(LoadF16(v + h + j));
-    r = Max16(r, Max16(e, o));
-    UI16 ce, co;
+  VU r = {};
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VU e = FiniteAbsBits(LoadV(v + j)), o = FiniteAbsBits(LoadV(v + h + j));
+    r = MaxV(r, MaxV(e, o));
+    VU ce, co;
     std::memcpy(&ce, col_even + j, sizeof(ce));
     std::memcpy(&co, col_odd + j, sizeof(co));
-    ce = Max16(ce, e);
-    co = Max16(co, o);
+    ce = MaxV(ce, e);
+    co = MaxV(co, o);
     std::memcpy(col_even + j, &ce, sizeof(ce));
     std::memcpy(col_odd + j, &co, sizeof(co));
   }
@@ -229,32 +283,31 @@ void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restric
 // permutes, as optax4bit.quant.maps.count_above (b[15] = +inf is never
 // selected).
 struct Bounds {
-  F16 b, b_plus1, b_plus3;  // b_plus1[k] = b[k + 1], b_plus3[k] = b[k + 3]: no index adds
-  F16 b7;
+  Table b, b_plus1, b_plus3;  // b_plus1[k] = b[k + 1], b_plus3[k] = b[k + 3]: no index adds
+  VF b7;
 };
 
 inline Bounds MakeBounds(const float* bounds) {
-  Bounds r;
+  float b[3][kTableSize];
   for (int k = 0; k < kTableSize; ++k) {
-    r.b[k] = k < kTableSize - 1 ? bounds[k] : INFINITY;
-    r.b_plus1[k] = k + 1 < kTableSize - 1 ? bounds[k + 1] : INFINITY;
-    r.b_plus3[k] = k + 3 < kTableSize - 1 ? bounds[k + 3] : INFINITY;
+    b[0][k] = k < kTableSize - 1 ? bounds[k] : INFINITY;
+    b[1][k] = k + 1 < kTableSize - 1 ? bounds[k + 1] : INFINITY;
+    b[2][k] = k + 3 < kTableSize - 1 ? bounds[k + 3] : INFINITY;
   }
-  r.b7 = F16{} + bounds[7];
-  return r;
+  return Bounds{LoadTable(b[0]), LoadTable(b[1]), LoadTable(b[2]), VF{} + bounds[7]};
 }
 
 template <bool kInclusive>
-__attribute__((always_inline)) inline I16 CountAbove(const Bounds& t, F16 x) {
-  auto above = [](F16 x, F16 b) { return kInclusive ? x >= b : x > b; };
-  I16 c = above(x, t.b7) ? I16{} + 8 : I16{};
-  c = above(x, __builtin_shuffle(t.b_plus3, c)) ? c + 4 : c;
-  c = above(x, __builtin_shuffle(t.b_plus1, c)) ? c + 2 : c;
-  return above(x, __builtin_shuffle(t.b, c)) ? c + 1 : c;
+__attribute__((always_inline)) inline VI CountAbove(const Bounds& t, VF x) {
+  auto above = [](VF x, VF b) { return kInclusive ? x >= b : x > b; };
+  VI c = above(x, t.b7) ? VI{} + 8 : VI{};
+  c = above(x, Lookup(t.b_plus3, c)) ? c + 4 : c;
+  c = above(x, Lookup(t.b_plus1, c)) ? c + 2 : c;
+  return above(x, Lookup(t.b, c)) ? c + 1 : c;
 }
 
-// optax4bit.quant.maps.mix32 on 16 lanes (uint32 multiplies wrap).
-inline UI16 Mix32(UI16 x) {
+// optax4bit.quant.maps.mix32 lane by lane (uint32 multiplies wrap).
+inline VU Mix32(VU x) {
   x ^= x >> 16;
   x *= 0x21F0AAADu;
   x ^= x >> 15;
@@ -262,12 +315,12 @@ inline UI16 Mix32(UI16 x) {
   return x ^ (x >> 15);
 }
 
-constexpr UI16 kEvenIndex = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+constexpr VU kEvenIndex = (VU)kEven;
 
-// The U[0, 1) draws of maps.hashed_uniform for 16 elements with flat indices
+// The U[0, 1) draws of maps.hashed_uniform for the elements with flat indices
 // index (mod 2**32), times 2**24: mix32(index ^ seed) >> 8, exact in float32.
-inline F16 HashedUniform16Times2p24(UI16 index, uint32_t seed) {
-  return __builtin_convertvector((I16)(Mix32(index ^ seed) >> 8), F16);
+inline VF HashedUniformTimes2p24(VU index, uint32_t seed) {
+  return __builtin_convertvector((VI)(Mix32(index ^ seed) >> 8), VF);
 }
 
 // How a row of the first moment is rounded to codes: to the nearest entry
@@ -289,65 +342,69 @@ struct FirstMomentRounding {
   static constexpr int kCells = 32;
   Bounds thresholds;  // nearest: the 15 midpoint thresholds
   Bounds entries;     // stochastic, binary search: table[1..15]
-  F16 table;
+  Table table;
   // gap[k] = table[k + 1] - table[k] where that is > 0, else 1 (then n -
   // table[k] is 0: only n = table[15] is left there by the clip).
-  F16 gap;
-  F16 gap_2m24;                       // gap 2**-24
-  F16 next;                           // table[k + 1], +inf for k = 15
-  I16 cell_lower_lo, cell_lower_hi;   // cell_lower[0..15], cell_lower[16..31]
-  float cell_scale, cell_offset;      // n's cell: trunc(n * cell_scale + cell_offset)
-  bool fast;                          // the faster stochastic path applies
+  Table gap;
+  Table gap_2m24;                  // gap 2**-24
+  Table next;                      // table[k + 1], +inf for k = 15
+  IntTable32 cell_lower;
+  float cell_scale, cell_offset;   // n's cell: trunc(n * cell_scale + cell_offset)
+  bool fast;                       // the faster stochastic path applies
   float lowest, highest;
   uint32_t seed;
 
   FirstMomentRounding(const float* values, const float* midpoints, uint32_t seed_)
       : thresholds(MakeBounds(midpoints)), entries(MakeBounds(values + 1)),
-        table(LoadF16(values)), lowest(values[0]), highest(values[kTableSize - 1]),
+        table(LoadTable(values)), lowest(values[0]), highest(values[kTableSize - 1]),
         seed(seed_) {
+    float gaps[kTableSize], gaps_2m24[kTableSize], nexts[kTableSize];
     for (int k = 0; k < kTableSize; ++k) {
       const float gap_k = values[std::min<int>(k + 1, kTableSize - 1)] - values[k];
-      gap[k] = gap_k > 0.0f ? gap_k : 1.0f;
-      gap_2m24[k] = gap[k] * 0x1p-24f;
-      next[k] = k + 1 < kTableSize ? values[k + 1] : INFINITY;
+      gaps[k] = gap_k > 0.0f ? gap_k : 1.0f;
+      gaps_2m24[k] = gaps[k] * 0x1p-24f;
+      nexts[k] = k + 1 < kTableSize ? values[k + 1] : INFINITY;
     }
+    gap = LoadTable(gaps);
+    gap_2m24 = LoadTable(gaps_2m24);
+    next = LoadTable(nexts);
     cell_scale = (kCells - 0.5f) / (highest - lowest);
     cell_offset = -lowest * cell_scale;
     // Every clipped n lands in [0, kCells), each cell holds one entry at most.
     fast = std::isfinite(cell_scale) && cell_scale > 0.0f && Cell(lowest) > -1.0f &&
            Cell(highest) < kCells;
-    for (int k = 0; k < kTableSize; ++k) fast &= gap[k] >= 0x1p-100f && gap[k] <= 1.0f;
-    int count = 0;
-    for (int c = 0; c < kCells && fast; ++c) {
-      const int lower = count;
+    for (int k = 0; k < kTableSize; ++k) fast &= gaps[k] >= 0x1p-100f && gaps[k] <= 1.0f;
+    int32_t cell_lowers[kCells] = {};
+    for (int c = 0, count = 0; c < kCells && fast; ++c) {
+      cell_lowers[c] = count;
       while (count < kTableSize - 1 && (int)Cell(values[count + 1]) <= c) ++count;
-      fast = count - lower <= 1;
-      (c < 16 ? cell_lower_lo[c] : cell_lower_hi[c - 16]) = lower;
+      fast = count - cell_lowers[c] <= 1;
     }
+    std::memcpy(cell_lower.part, cell_lowers, sizeof(cell_lowers));
   }
 
   float Cell(float n) const { return MulAdd(n, cell_scale, cell_offset); }
 
   template <bool kStochastic, bool kFast>
-  __attribute__((always_inline)) I16 Codes(F16 n, UI16 index) const {
+  __attribute__((always_inline)) VI Codes(VF n, VU index) const {
     if constexpr (!kStochastic) {
       return CountAbove<false>(thresholds, n);
     } else {
       n = n > lowest ? n : lowest;
       n = n < highest ? n : highest;
-      const F16 u_2p24 = HashedUniform16Times2p24(index, seed);
+      const VF u_2p24 = HashedUniformTimes2p24(index, seed);
       if constexpr (kFast) {
-        const I16 cell = __builtin_convertvector(
-            MulAdd16(n, F16{} + cell_scale, F16{} + cell_offset), I16);
-        I16 lower = __builtin_shuffle(cell_lower_lo, cell_lower_hi, cell);
-        lower = n >= __builtin_shuffle(next, lower) ? lower + 1 : lower;
-        const F16 p_2p24 =
-            (n - __builtin_shuffle(table, lower)) / __builtin_shuffle(gap_2m24, lower);
+        const VI cell = __builtin_convertvector(
+            MulAddV(n, VF{} + cell_scale, VF{} + cell_offset), VI);
+        VI lower = Lookup(cell_lower, cell);
+        lower = n >= Lookup(next, lower) ? lower + 1 : lower;
+        const VF p_2p24 =
+            (n - Lookup(table, lower)) / Lookup(gap_2m24, lower);
         return u_2p24 < p_2p24 ? lower + 1 : lower;
       } else {
-        const I16 lower = CountAbove<true>(entries, n);
-        const F16 probability =
-            (n - __builtin_shuffle(table, lower)) / __builtin_shuffle(gap, lower);
+        const VI lower = CountAbove<true>(entries, n);
+        const VF probability =
+            (n - Lookup(table, lower)) / Lookup(gap, lower);
         return u_2p24 * 0x1p-24f < probability ? lower + 1 : lower;
       }
     }
@@ -372,21 +429,21 @@ __attribute__((always_inline)) inline void EncodeFirstMomentT(
     float inverse[kGroup];
     for (int64_t b = 0; b < n; ++b) {
       const float* mb = m + (b0 + b) * kBlockBytes;
-      UI16 s = {};
-      for (int64_t j = 0; j < kBlockBytes; j += 16) {
-        s = Max16(s, Max16(FiniteAbsBits16(LoadF16(mb + j)), FiniteAbsBits16(LoadF16(mb + h + j))));
+      VU s = {};
+      for (int64_t j = 0; j < kBlockBytes; j += kLanes) {
+        s = MaxV(s, MaxV(FiniteAbsBits(LoadV(mb + j)), FiniteAbsBits(LoadV(mb + h + j))));
       }
       block_scales[b0 + b] = FromBits(HorizontalMax(s));
     }
     for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
     for (int64_t b = 0; b < n; ++b) {
-      for (int64_t j = (b0 + b) * kBlockBytes; j < (b0 + b + 1) * kBlockBytes; j += 16) {
-        F16 xe = (LoadF16(m + j) * inverse[b]) * 0.25f;
-        F16 xo = (LoadF16(m + h + j) * inverse[b]) * 0.25f;
+      for (int64_t j = (b0 + b) * kBlockBytes; j < (b0 + b + 1) * kBlockBytes; j += kLanes) {
+        VF xe = (LoadV(m + j) * inverse[b]) * 0.25f;
+        VF xo = (LoadV(m + h + j) * inverse[b]) * 0.25f;
         xe = xe == xe ? xe : 0.0f;
         xo = xo == xo ? xo : 0.0f;
-        const UI16 even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
-        StoreCodes16(codes + j, rounding.Codes<kStochastic, kFast>(xe, even_index) |
+        const VU even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
+        StoreCodes(codes + j, rounding.Codes<kStochastic, kFast>(xe, even_index) |
                                     (rounding.Codes<kStochastic, kFast>(xo, even_index + 1)
                                      << 4));
       }
@@ -424,22 +481,22 @@ template <bool kLinear>
 __attribute__((always_inline)) inline void EncodeSecondMomentT(
     int64_t h, const float* __restrict v, float row_inverse, const float* __restrict col_even,
     const float* __restrict col_odd, const Bounds& thresholds4, uint8_t* __restrict codes) {
-  auto levels = [row_inverse, &thresholds4](F16 x, F16 col_inverse) {
-    const F16 inverse = col_inverse > row_inverse ? col_inverse : row_inverse;
+  auto levels = [row_inverse, &thresholds4](VF x, VF col_inverse) {
+    const VF inverse = col_inverse > row_inverse ? col_inverse : row_inverse;
     if constexpr (kLinear) {
-      F16 y = x * inverse - 1.5f;
+      VF y = x * inverse - 1.5f;
       y = y > 0.0f ? y : 0.0f;
       y = y < 15.0f ? y : 15.0f;
-      const I16 t = __builtin_convertvector(y, I16);
-      return t + ((__builtin_convertvector(t, F16) < y) & 1);
+      const VI t = __builtin_convertvector(y, VI);
+      return t + ((__builtin_convertvector(t, VF) < y) & 1);
     } else {
       return CountAbove<false>(thresholds4, x * inverse);
     }
   };
-  for (int64_t j = 0; j < h; j += 16) {
-    const I16 even = levels(LoadF16(v + j), LoadF16(col_even + j));
-    const I16 odd = levels(LoadF16(v + h + j), LoadF16(col_odd + j));
-    StoreCodes16(codes + j, even | (odd << 4));
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VI even = levels(LoadV(v + j), LoadV(col_even + j));
+    const VI odd = levels(LoadV(v + h + j), LoadV(col_odd + j));
+    StoreCodes(codes + j, even | (odd << 4));
   }
 }
 
