@@ -131,8 +131,8 @@ struct ApplyRowsArgs {
   float* m_scales_out;
 };
 
-// The row kernels of each ISA path, in a namespace of its own (AVX2's with
-// lookups written for 8-lane permutes).
+// The row kernels of each ISA path, in a namespace of its own (their vectors
+// as wide as the path's registers).
 #ifdef OPTAX4BIT_X86_PATHS
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")

@@ -94,8 +94,9 @@ def _version_tuple(version: str) -> tuple:
 # Forces the ISA path of the row kernels ("avx512", "avx2" or "baseline"),
 # read when the library loads; for tests and benchmarks.
 ISA_ENV = "OPTAX4BIT_CPU_ISA"
-# The ISA paths whose kernel beats the jnp path (benchmarks/RESULTS.md).
-_FASTER_THAN_JNP = frozenset({"avx512"})
+# The ISA paths whose kernel beats the jnp path (benchmarks/RESULTS.md); the
+# baseline x86-64 path, without AVX2's 8-lane permutes, does not.
+_FASTER_THAN_JNP = frozenset({"avx512", "avx2"})
 _library = None  # set by `_load`
 
 
@@ -146,8 +147,9 @@ def available() -> bool:
 def faster_than_jnp() -> bool:
   """Whether ``implementation="auto"`` runs the kernel on this CPU: where the
   ISA path it runs (`isa`) beats the jnp path (decided by ISA, never by
-  timing): AVX-512. Elsewhere the kernel is slower (issue 15) and ``"auto"``
-  runs the jnp path; ``implementation="cpu"`` still forces the kernel.
+  timing): AVX-512 and AVX2. Elsewhere the kernel is slower (issue 15) and
+  ``"auto"`` runs the jnp path; ``implementation="cpu"`` still forces the
+  kernel.
 
   Example:
     >>> import optax4bit.cpu
@@ -178,7 +180,8 @@ def isas() -> tuple:
 
 def _use_isa(name: str) -> None:
   """Makes later kernel calls, of compiled functions too, run the ISA path
-  ``name`` (for tests)."""
+  ``name`` (for tests; block on results before switching back: dispatch is
+  asynchronous)."""
   if _load() is not None or not _library.Optax4bitUseCpuIsa(name.encode()):
     raise ValueError(f"this CPU runs the ISA paths {isas()}, not {name!r}")
 
