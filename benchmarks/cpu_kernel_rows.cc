@@ -92,7 +92,7 @@ void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear) 
     double t[7] = {0};
     const auto stats_start = Clock::now();
     for (int64_t i = 0; i < rows; ++i) {
-      R::NewSecondMoment(v_linear, h, g.data() + i * d, v_codes.data() + i * h, v_rows[i],
+      R::NewSecondMoment(h, g.data() + i * d, v_codes.data() + i * h, v_rows[i],
                       col.data(), col.data(), v_table, c.b2, c.one_minus_b2, v.data());
       R::SecondMomentMaxima(h, v.data(), &row_max, col_max.data(), col_max.data() + h);
     }
@@ -104,7 +104,7 @@ void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear) 
       R::NewFirstMoment(h, g_row, m_codes.data() + i * h, m_scales.data() + i * blocks, m_table,
                      c.b1, c.one_minus_b1, m.data());
       const auto t1 = Clock::now();
-      R::NewSecondMoment(v_linear, h, g_row, v_codes.data() + i * h, v_rows[i], col.data(),
+      R::NewSecondMoment(h, g_row, v_codes.data() + i * h, v_rows[i], col.data(),
                       col.data(), v_table, c.b2, c.one_minus_b2, v.data());
       const auto t2 = Clock::now();
       R::Update(h, m.data(), v.data(), c, g_row);

@@ -111,7 +111,6 @@ struct StatsRowsArgs {
   const float *g, *row_scales, *col_even, *col_odd, *v_table;
   const uint8_t* codes;
   Coefficients c;
-  bool v_linear;
   float* new_rows;
 };
 
@@ -137,23 +136,29 @@ struct ApplyRowsArgs {
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 namespace avx512 {
+#define OPTAX4BIT_ROWS_AVX512 1
 #define OPTAX4BIT_ROWS_AVX2 0
 #include "adam_4bit_rows.h"
+#undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx512
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v3")
 namespace avx2 {
+#define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 1
 #include "adam_4bit_rows.h"
+#undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx2
 #pragma GCC pop_options
 #endif
 namespace baseline {
+#define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 0
 #include "adam_4bit_rows.h"
+#undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace baseline
 
@@ -322,12 +327,11 @@ ffi::Error CheckTables(const ffi::Buffer<ffi::F32>& tables) {
   return ffi::Error::Success();
 }
 
-// v_linear: the second moment's map is Linear (else decoded by its table).
 ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
                      ffi::Buffer<ffi::F32> v_cols, ffi::Buffer<ffi::F32> coef,
-                     ffi::Buffer<ffi::F32> tables, bool v_linear,
-                     ffi::ResultBuffer<ffi::F32> new_rows, ffi::ResultBuffer<ffi::F32> new_cols) {
+                     ffi::Buffer<ffi::F32> tables, ffi::ResultBuffer<ffi::F32> new_rows,
+                     ffi::ResultBuffer<ffi::F32> new_cols) {
   int64_t rows, d;
   if (ffi::Error error = LeafGeometry(grad, v_codes, v_rows, v_cols, coef, rows, d);
       error.failure()) {
@@ -346,7 +350,6 @@ ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.v_table = tables.typed_data() + 2 * kTableSize - 1;
   args.codes = v_codes.typed_data();
   args.c = ReadCoefficients(coef.typed_data());
-  args.v_linear = v_linear;
   args.new_rows = new_rows->typed_data();
   const IsaPath& isa = *CurrentIsaPath().load();
   RowSplitter splitter(pool, rows, d);
@@ -373,7 +376,8 @@ ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 // the first and second moments; row_bases: (rows,) uint32, the flat index in
 // the whole leaf of each row's first element (maps.row_hash_bases: i * d for
 // a whole leaf, global indices for a shard); m_stochastic: round the first moment
-// stochastically (else to the nearest entry); v_linear: see StatsImpl.
+// stochastically (else to the nearest entry); v_linear: the second moment's
+// map is Linear (encoded by a closed form, others by their thresholds).
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
                      ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
@@ -507,7 +511,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitStats, StatsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v column scales (1, d)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (12,)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // tables (62,)
-                                  .Attr<bool>("v_linear")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new v row scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new v column scales
 );

@@ -1,7 +1,8 @@
 // Row kernels of the fused 4-bit Adam step (adam_4bit.cc), which includes
 // this file once per ISA path, each time inside a namespace of its own and
 // under a `#pragma GCC target` for it (no include guard; what it uses is
-// included and defined before). OPTAX4BIT_ROWS_AVX2 is 1 in the AVX2 path.
+// included and defined before). OPTAX4BIT_ROWS_AVX512 is 1 in the AVX-512
+// path, OPTAX4BIT_ROWS_AVX2 in the AVX2 path.
 
 // Vectors of kLanes floats or ints (GCC/Clang vector extensions), as wide as
 // the path's registers: 16 lanes with AVX-512, where a 16-entry table lookup is
@@ -32,12 +33,19 @@ inline VF LoadV(const float* p) {
   return v;
 }
 inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
+// kLanes code bytes widened to ints: one vpmovzxbd where the path has it (GCC
+// turns a direct uint8 -> int32 conversion into scalar code, and the one
+// through uint16 below into a chain of nine instructions on AVX-512).
 inline VI LoadCodes(const uint8_t* p) {
+#if OPTAX4BIT_ROWS_AVX512
+  return (VI)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VI)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#else
   VB v;
   std::memcpy(&v, p, sizeof(v));
-  // Widened in two steps: GCC turns a direct uint8 -> int32 conversion into
-  // scalar code, this into vpmovzx instructions.
   return __builtin_convertvector(__builtin_convertvector(v, VW), VI);
+#endif
 }
 inline void StoreCodes(uint8_t* p, VI codes) {
   const VB v = __builtin_convertvector(codes, VB);
@@ -90,14 +98,20 @@ inline VI Lookup(const IntTable32& t, VI index) {
 // vectorizes these into FMA instructions in the ISA paths that have them.
 inline float MulAdd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline VF MulAddV(VF a, VF b, VF c) {
-  // Through arrays: a loop GCC vectorizes at any vector width (lane by lane
-  // on a vector type wider than the target's, it calls fmaf per element).
+  // By intrinsics: GCC's vectorizing of a lane loop (the baseline's way) is
+  // fragile and falls back to scalar code in some callers.
+#if OPTAX4BIT_ROWS_AVX512
+  return (VF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
   float x[kLanes], y[kLanes], z[kLanes];
   std::memcpy(x, &a, sizeof(x));
   std::memcpy(y, &b, sizeof(y));
   std::memcpy(z, &c, sizeof(z));
   for (int k = 0; k < kLanes; ++k) x[k] = __builtin_fmaf(x[k], y[k], z[k]);
   return LoadV(x);
+#endif
 }
 
 // Row kernels. A row of d = 2h elements is split into its even and odd
@@ -126,52 +140,24 @@ void NewFirstMoment(int64_t h, const float* __restrict g,
 }
 
 // New second moment (1 - b2) g^2 + b2 v of one row; the rank-1 scale is
-// min(row max, column max). Linear decodes code k to (k + 1) / 16 (a closed
-// form, bit-identical to its table entry), other maps by a table permute.
-template <bool kLinear>
-__attribute__((always_inline)) inline void NewSecondMomentT(
-    int64_t h, const float* __restrict g, const uint8_t* __restrict codes, float row_scale,
-    const float* __restrict col_even, const float* __restrict col_odd,
-    const float* __restrict v_table, float b2, float one_minus_b2, float* __restrict v) {
-  if constexpr (kLinear) {
-    // A scalar loop: GCC vectorizes it (64 codes per iteration) a little
-    // faster than 16-lane vector code.
-    for (int64_t j = 0; j < h; ++j) {
-      const int byte = codes[j];
-      const float ge = g[2 * j], go = g[2 * j + 1];
-      const float se = row_scale < col_even[j] ? row_scale : col_even[j];
-      const float so = row_scale < col_odd[j] ? row_scale : col_odd[j];
-      v[j] = MulAdd(one_minus_b2, ge * ge, b2 * (((float)(byte & 15) + 1.0f) * 0.0625f * se));
-      v[h + j] = MulAdd(one_minus_b2, go * go, b2 * (((float)(byte >> 4) + 1.0f) * 0.0625f * so));
-    }
-  } else {
-    const Table table = LoadTable(v_table);
-    const VF row = VF{} + row_scale;
-    for (int64_t j = 0; j < h; j += kLanes) {
-      const VI byte = LoadCodes(codes + j);
-      const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
-      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
-      const VF ce = LoadV(col_even + j), co = LoadV(col_odd + j);
-      const VF se = row < ce ? row : ce, so = row < co ? row : co;
-      const VF c = VF{} + one_minus_b2;
-      StoreV(v + j, MulAddV(c, ge * ge, b2 * (Lookup(table, byte & 15) * se)));
-      StoreV(v + h + j, MulAddV(c, go * go, b2 * (Lookup(table, byte >> 4) * so)));
-    }
-  }
-}
-
-void NewSecondMoment(bool linear, int64_t h, const float* __restrict g,
-                                   const uint8_t* __restrict codes, float row_scale,
-                                   const float* __restrict col_even,
-                                   const float* __restrict col_odd,
-                                   const float* __restrict v_table, float b2, float one_minus_b2,
-                                   float* __restrict v) {
-  if (linear) {
-    NewSecondMomentT<true>(h, g, codes, row_scale, col_even, col_odd, v_table, b2, one_minus_b2,
-                           v);
-  } else {
-    NewSecondMomentT<false>(h, g, codes, row_scale, col_even, col_odd, v_table, b2,
-                            one_minus_b2, v);
+// min(row max, column max); entries by table permutes (Linear's too: its
+// entries (k + 1) / 16 are exact, and the permutes beat GCC's vectorizing of
+// the closed form).
+void NewSecondMoment(int64_t h, const float* __restrict g, const uint8_t* __restrict codes,
+                     float row_scale, const float* __restrict col_even,
+                     const float* __restrict col_odd, const float* __restrict v_table, float b2,
+                     float one_minus_b2, float* __restrict v) {
+  const Table table = LoadTable(v_table);
+  const VF row = VF{} + row_scale;
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VI byte = LoadCodes(codes + j);
+    const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
+    const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+    const VF ce = LoadV(col_even + j), co = LoadV(col_odd + j);
+    const VF se = row < ce ? row : ce, so = row < co ? row : co;
+    const VF c = VF{} + one_minus_b2;
+    StoreV(v + j, MulAddV(c, ge * ge, b2 * (Lookup(table, byte & 15) * se)));
+    StoreV(v + h + j, MulAddV(c, go * go, b2 * (Lookup(table, byte >> 4) * so)));
   }
 }
 
@@ -517,7 +503,7 @@ void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
 void StatsRows(const StatsRowsArgs& a, int64_t lo, int64_t hi, float* v, uint32_t* col_max) {
   const int64_t h = a.h, d = 2 * h;
   for (int64_t i = lo; i < hi; ++i) {
-    NewSecondMoment(a.v_linear, h, a.g + i * d, a.codes + i * h, a.row_scales[i], a.col_even,
+    NewSecondMoment(h, a.g + i * d, a.codes + i * h, a.row_scales[i], a.col_even,
                     a.col_odd, a.v_table, a.c.b2, a.c.one_minus_b2, v);
     SecondMomentMaxima(h, v, a.new_rows + i, col_max, col_max + h);
   }
@@ -538,7 +524,7 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
     float* out = a.out + i * d;
     NewFirstMoment(h, g_row, a.m_codes + i * h, a.m_scales + i * blocks, a.m_table, c.b1,
                    c.one_minus_b1, m);
-    NewSecondMoment(a.v_linear, h, g_row, a.v_codes + i * h, a.row_scales[i], a.col_even,
+    NewSecondMoment(h, g_row, a.v_codes + i * h, a.row_scales[i], a.col_even,
                     a.col_odd, a.v_table, c.b2, c.one_minus_b2, v);
     if (a.nesterov) {
       std::memcpy(work, g_row, d * sizeof(float));

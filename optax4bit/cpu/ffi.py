@@ -224,8 +224,7 @@ def _stats_call(grad, m: QuantizedArray, v: QuantizedArray, coef):
   return jax.ffi.ffi_call(
       _STATS_TARGET,
       (jax.ShapeDtypeStruct(row.shape, jnp.float32), jax.ShapeDtypeStruct(col.shape, jnp.float32)),
-      vmap_method="sequential")(grad, v.codes, row, col, coef, _tables_of(m, v),
-                                v_linear=np.bool_(v.spec.mapping == "Linear"))
+      vmap_method="sequential")(grad, v.codes, row, col, coef, _tables_of(m, v))
 
 
 def _seeds(moments, keys):
