@@ -120,10 +120,10 @@ inline VF MulAddV(VF a, VF b, VF c) {
 
 // New first moment (1 - b1) g + b1 m of one row; entries by table permutes.
 void NewFirstMoment(int64_t h, const float* __restrict g,
-                                  const uint8_t* __restrict codes,
-                                  const float* __restrict block_scales,
-                                  const float* __restrict m_table, float b1, float one_minus_b1,
-                                  float* __restrict m) {
+                    const uint8_t* __restrict codes,
+                    const float* __restrict block_scales,
+                    const float* __restrict m_table, float b1, float one_minus_b1,
+                    float* __restrict m) {
   const Table table = LoadTable(m_table);
   for (int64_t b = 0; b < h / kBlockBytes; ++b) {
     const float s = block_scales[b];
@@ -179,8 +179,8 @@ inline uint32_t HorizontalMax(VU x) {
 // Maxima of finite |v| of one row into the row scale and the running column
 // maxima (as bits).
 void SecondMomentMaxima(int64_t h, const float* __restrict v, float* __restrict row,
-                                      uint32_t* __restrict col_even,
-                                      uint32_t* __restrict col_odd) {
+                        uint32_t* __restrict col_even,
+                        uint32_t* __restrict col_odd) {
   VU r = {};
   for (int64_t j = 0; j < h; j += kLanes) {
     const VU e = FiniteAbsBits(LoadV(v + j)), o = FiniteAbsBits(LoadV(v + h + j));
@@ -230,7 +230,7 @@ __attribute__((always_inline)) inline int UpdateT(int64_t h, const float* __rest
 }
 
 void Update(int64_t h, const float* __restrict m, const float* __restrict v,
-                          const Coefficients& c, float* __restrict out) {
+            const Coefficients& c, float* __restrict out) {
   const float r = 1.0f / c.c2;
   if (!C2AllowsMarkstein(c.c2) || UpdateT<false>(h, m, v, c, r, out)) {
     UpdateT<true>(h, m, v, c, r, out);
@@ -256,8 +256,8 @@ __attribute__((always_inline)) inline int NesterovUpdateT(
 }
 
 void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restrict m,
-                                  const float* __restrict v, const Coefficients& c,
-                                  float* __restrict out) {
+                    const float* __restrict v, const Coefficients& c,
+                    float* __restrict out) {
   const float r = 1.0f / c.c2;
   if (!C2AllowsMarkstein(c.c2) || NesterovUpdateT<false>(h, g, m, v, c, r, out)) {
     NesterovUpdateT<true>(h, g, m, v, c, r, out);
@@ -438,8 +438,8 @@ __attribute__((always_inline)) inline void EncodeFirstMomentT(
 }
 
 void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
-                                     const FirstMomentRounding& rounding, uint32_t row_index,
-                                     float* __restrict block_scales, uint8_t* __restrict codes) {
+                       const FirstMomentRounding& rounding, uint32_t row_index,
+                       float* __restrict block_scales, uint8_t* __restrict codes) {
   if (!stochastic) {
     EncodeFirstMomentT<false, false>(h, m, rounding, row_index, block_scales, codes);
   } else if (rounding.fast) {
@@ -488,9 +488,9 @@ __attribute__((always_inline)) inline void EncodeSecondMomentT(
 
 // row_inverse, col_*: inverse16 for Linear, inverse4 for the other maps.
 void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
-                                      float row_inverse, const float* __restrict col_even,
-                                      const float* __restrict col_odd, const Bounds& thresholds4,
-                                      uint8_t* __restrict codes) {
+                        float row_inverse, const float* __restrict col_even,
+                        const float* __restrict col_odd, const Bounds& thresholds4,
+                        uint8_t* __restrict codes) {
   if (linear) {
     EncodeSecondMomentT<true>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
   } else {
