@@ -265,29 +265,30 @@ void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restric
 }
 
 // Binary search over 15 sorted bounds b[0..14]: the number of bounds below x
-// (x > b, or x >= b if kInclusive), by 4 compares whose bounds are picked by
-// permutes, as optax4bit.quant.maps.count_above (b[15] = +inf is never
-// selected).
+// (x > b, or x >= b if kInclusive), by 4 compares, as
+// optax4bit.quant.maps.count_above: with b[7], then b[3] or b[11] (a blend),
+// then bounds picked by permutes (b[15] = +inf is never selected).
 struct Bounds {
-  Table b, b_plus1, b_plus3;  // b_plus1[k] = b[k + 1], b_plus3[k] = b[k + 3]: no index adds
-  VF b7;
+  Table b, b_plus1;  // b_plus1[k] = b[k + 1]: no index add
+  VF b3, b7, b11;
 };
 
 inline Bounds MakeBounds(const float* bounds) {
-  float b[3][kTableSize];
+  float b[2][kTableSize];
   for (int k = 0; k < kTableSize; ++k) {
     b[0][k] = k < kTableSize - 1 ? bounds[k] : INFINITY;
     b[1][k] = k + 1 < kTableSize - 1 ? bounds[k + 1] : INFINITY;
-    b[2][k] = k + 3 < kTableSize - 1 ? bounds[k + 3] : INFINITY;
   }
-  return Bounds{LoadTable(b[0]), LoadTable(b[1]), LoadTable(b[2]), VF{} + bounds[7]};
+  return Bounds{LoadTable(b[0]), LoadTable(b[1]), VF{} + bounds[3], VF{} + bounds[7],
+                VF{} + bounds[11]};
 }
 
 template <bool kInclusive>
 __attribute__((always_inline)) inline VI CountAbove(const Bounds& t, VF x) {
   auto above = [](VF x, VF b) { return kInclusive ? x >= b : x > b; };
-  VI c = above(x, t.b7) ? VI{} + 8 : VI{};
-  c = above(x, Lookup(t.b_plus3, c)) ? c + 4 : c;
+  const auto upper = above(x, t.b7);
+  VI c = upper ? VI{} + 8 : VI{};
+  c = above(x, upper ? t.b11 : t.b3) ? c + 4 : c;
   c = above(x, Lookup(t.b_plus1, c)) ? c + 2 : c;
   return above(x, Lookup(t.b, c)) ? c + 1 : c;
 }
