@@ -1,8 +1,10 @@
 """The fused XLA CPU kernel of 4-bit Adam, called through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers two FFI targets for XLA's CPU backend. It covers a 2-D
-leaf whose last axis is a multiple of 128, with both recipes of
+extension) registers two FFI targets for XLA's CPU backend. Its row kernels
+(``adam_4bit_rows.h``) are compiled per ISA path (`isas`); calls run the best
+one this CPU runs (`isa`) unless ``OPTAX4BIT_CPU_ISA`` names another. It
+covers a 2-D leaf whose last axis is a multiple of 128, with both recipes of
 `optax4bit.recipes` and any pairing of their quantizers (4 bits):
 
 * first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
