@@ -39,6 +39,7 @@ setuptools.setup(
         setuptools.Extension(
             "optax4bit.cpu._adam_4bit",
             sources=["optax4bit/cpu/adam_4bit.cc"],
+            depends=["optax4bit/cpu/adam_4bit_rows.h"],
             language="c++",
             extra_compile_args=_FLAGS,
             optional=True,

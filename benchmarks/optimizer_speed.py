@@ -24,6 +24,12 @@ what is jitted:
     python benchmarks/optimizer_speed.py                 # SPEC tree: 4 x 2048x2048
     python benchmarks/optimizer_speed.py --tree gpt124m  # GPT-like, 124M params
     python benchmarks/optimizer_speed.py --step train    # gradients made in the step
+    python benchmarks/optimizer_speed.py --optimizers optax.adamw "adamw_4bit (cpu)" \
+        --cpu-isas avx512 avx2 baseline     # the C++ kernel's ISA paths side by side
+
+On CPU the first line printed names the ISA path the C++ kernel runs
+(``OPTAX4BIT_CPU_ISA`` forces another); ``--cpu-isas`` adds a row per path for
+each optimizer forced onto the kernel (``... cpu)``), switched between steps.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import optax
 
 import optax4bit
 from optimizer_memory import CONFIGS, gpt_params
+from optax4bit.cpu import ffi as cpu_ffi
 
 def in_place_floor() -> optax.GradientTransformation:
   """Writes one element of each gradient in place and returns it as the
@@ -65,6 +72,10 @@ OPTIMIZERS = {
     "adamw_4bit (paper)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper"),
     "adamw_4bit (paper, jnp)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
                                                             implementation="jnp"),
+    # The C++ kernel even where "auto" would not run it (see optax4bit.cpu.faster_than_jnp).
+    "adamw_4bit (cpu)": lambda: optax4bit.adamw_4bit(1e-3, implementation="cpu"),
+    "adamw_4bit (paper, cpu)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
+                                                            implementation="cpu"),
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3),
     "adamw_4bit_factor (paper)": lambda: optax4bit.adamw_4bit_factor(1e-3, recipe="paper"),
     "adamw_8bit": lambda: optax4bit.adamw_8bit(1e-3),
@@ -91,6 +102,9 @@ def main(argv=None):
   parser.add_argument("--tree", default="spec", choices=["spec", "gpt124m"])
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+  parser.add_argument("--cpu-isas", nargs="*", default=[], choices=["avx512", "avx2", "baseline"],
+                      help="also time the optimizers forced onto the C++ kernel on these ISA "
+                      "paths, in the same rounds")
   parser.add_argument("--step", default="update", choices=["update", "apply", "train"],
                       help="the donated update alone (default), update + apply with read-only "
                       "gradients, or update + apply with gradients computed in the step")
@@ -114,8 +128,24 @@ def main(argv=None):
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, tree {args.tree}: "
         f"{num_params / 1e6:.1f}M params, step: {args.step}")
+  if jax.default_backend() == "cpu":
+    # OPTAX4BIT_CPU_ISA (read when the kernel loads) forces another ISA path.
+    print(f"optax4bit CPU kernel: ISA path {optax4bit.cpu.isa()} of {optax4bit.cpu.isas()}, "
+          f"auto runs it: {optax4bit.cpu.faster_than_jnp()}")
   runs = {}
-  for name in args.optimizers:
+  # (row label, optimizer, ISA path to switch to before each step or None).
+  entries = [(name, name, None) for name in args.optimizers]
+  entries += [(f"{name} [{isa}]", name, isa) for name in args.optimizers
+              if name.endswith("cpu)") for isa in args.cpu_isas]
+  default_isa = optax4bit.cpu.isa()
+
+  def use_isa(isa):
+    # Every step blocks on its results: a switch holds for the next step alone.
+    if default_isa is not None:
+      cpu_ffi._use_isa(isa or default_isa)  # pylint: disable=protected-access
+
+  for label, name, isa in entries:
+    use_isa(isa)
     tx = OPTIMIZERS[name]()
     p = jax.tree.map(jnp.copy, params)
     s = tx.init(p)
@@ -137,10 +167,11 @@ def main(argv=None):
       call = compiled
     p, s = call(p, s, fresh_grads())  # warm-up
     jax.block_until_ready(s)
-    runs[name] = [call, p, s, []]
+    runs[label] = [call, p, s, [], isa]
   for _ in range(args.rounds):
     for name, run in runs.items():
-      call, p, s, times = run
+      call, p, s, times, isa = run
+      use_isa(isa)
       g = fresh_grads()
       start = time.perf_counter()
       p, s = call(p, s, g)

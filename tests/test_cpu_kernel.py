@@ -10,7 +10,8 @@ within rounding of a threshold. Criteria: at most 1e-4 of the codes differ, by
 one level; scales within 8 ulps; updates within 8 ulps of the leaf's largest
 update; identical NaN patterns.
 
-The sharded check runs this file as a script with 8 virtual CPU devices (see
+The bitwise checks run on every ISA path of the kernel this CPU runs
+(`optax4bit.cpu.isas`). The sharded check runs this file as a script with 8 virtual CPU devices (see
 tests/subprocess_json.py).
 """
 
@@ -24,7 +25,9 @@ if __name__ == "__main__":
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
+import subprocess  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -92,6 +95,46 @@ def test_kernel_is_built_where_a_compiler_is():
     assert optax4bit.cpu.available(), optax4bit.cpu.unavailable_reason()
 
 
+# Every ISA path of the row kernels; the tests run those this CPU runs.
+ISAS = ("avx512", "avx2", "baseline")
+
+
+@contextlib.contextmanager
+def isa_path(name):
+  """Kernel calls inside run the ISA path ``name`` (the caller blocks on
+  their results inside: dispatch is asynchronous)."""
+  before = optax4bit.cpu.isa()
+  cpu_ffi._use_isa(name)  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    cpu_ffi._use_isa(before)  # pylint: disable=protected-access
+
+
+def _runnable_isas():
+  return [name for name in ISAS if name in optax4bit.cpu.isas()]
+
+
+@needs_kernel
+def test_isa_paths():
+  """The best path this CPU runs by default; OPTAX4BIT_CPU_ISA, read at load,
+  forces another, and one this CPU does not run leaves the kernel unavailable."""
+  isas = optax4bit.cpu.isas()
+  assert isas[-1] == "baseline" and set(isas) <= set(ISAS)
+  assert optax4bit.cpu.isa() == isas[0]
+  script = ("import optax4bit.cpu as c; "
+            "print(c.isa(), c.faster_than_jnp(), c.unavailable_reason() is None)")
+  for name in isas:
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env={**os.environ, cpu_ffi.ISA_ENV: name}).stdout.split()
+    assert out == [name, str(name in cpu_ffi._FASTER_THAN_JNP), "True"]  # pylint: disable=protected-access
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       check=True, env={**os.environ, cpu_ffi.ISA_ENV: "sse9"}).stdout.split()
+  assert out == ["None", "False", "False"]
+  with pytest.raises(ValueError, match="sse9"):
+    cpu_ffi._use_isa("sse9")  # pylint: disable=protected-access
+
+
 def _grads(params, step):
   key = jax.random.PRNGKey(100 + step)
   grads = {k: 0.1 * p + 0.01 * jax.random.normal(jax.random.fold_in(key, i), p.shape, p.dtype)
@@ -148,16 +191,19 @@ def test_kernel_bf16_grads_and_auto_dispatch():
 
 
 @needs_kernel
-@pytest.mark.parametrize("avx512", [True, False])
-def test_auto_runs_the_kernel_only_where_it_is_faster(monkeypatch, avx512):
-  """"auto" decides by ISA: the kernel's AVX-512 build beats the jnp path, its
-  AVX2 and baseline builds do not (issue 15)."""
-  monkeypatch.setattr(optax4bit.cpu.ffi, "_RUNS_AVX512_CLONE", avx512)
-  assert optax4bit.cpu.faster_than_jnp() == avx512
+@pytest.mark.parametrize("name", ISAS)
+def test_auto_runs_the_kernel_only_where_it_is_faster(name):
+  """"auto" decides by the ISA path (issue 15): the kernel's AVX-512 and AVX2
+  paths beat the jnp path, its baseline path does not."""
+  if name not in optax4bit.cpu.isas():
+    pytest.skip(f"this CPU does not run the {name} path")
+  faster = name != "baseline"
   params = {"w": jnp.ones((128, 256))}
   tx = optax4bit.adamw_4bit(1e-3, min_quantize_size=0)
-  hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
-  assert ("optax4bit_adam_4bit_apply" in hlo) == avx512
+  with isa_path(name):
+    assert optax4bit.cpu.faster_than_jnp() == faster
+    hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  assert ("optax4bit_adam_4bit_apply" in hlo) == faster
 
 
 def test_dispatch_names():
@@ -226,46 +272,57 @@ BITWISE_CASES = [
 @needs_kernel
 @pytest.mark.parametrize("recipe,first,second,nesterov", BITWISE_CASES)
 def test_kernel_bitwise_matches_jnp(recipe, first, second, nesterov):
-  """Several steps with non-finite, zero, tiny and huge gradients; the 1-row
-  leaf "c" runs unchunked in the jnp path (close, see the module docstring)."""
+  """Several steps with non-finite, zero, tiny and huge gradients, on every
+  ISA path this CPU runs; the 1-row leaf "c" runs unchunked in the jnp path
+  (close, see the module docstring)."""
   params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
             for i, (k, s) in enumerate(SHAPES.items())}
   txs = [optax4bit.scale_by_adam_4bit(min_quantize_size=0, nesterov=nesterov, recipe=recipe,
                                       first_moment=first, second_moment=second,
                                       implementation=impl) for impl in ("jnp", "cpu")]
-  states = [tx.init(params) for tx in txs]
-  updates_fns = [jax.jit(tx.update) for tx in txs]
-  assert "optax4bit_adam_4bit_apply" in updates_fns[1].lower(params, states[1]).as_text()
+  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
+  s_ref = txs[0].init(params)
+  states = {name: txs[1].init(params) for name in _runnable_isas()}
+  assert "optax4bit_adam_4bit_apply" in cpu_fn.lower(params, s_ref).as_text()
   for step in range(5):
     grads = _grads(params, step)
-    (u_ref, s_ref), (u_cpu, s_cpu) = [f(grads, s) for f, s in zip(updates_fns, states)]
-    assert_bitwise(u_ref, s_ref, u_cpu, s_cpu, ("a", "b"))
-    assert_close(compare_states(s_ref, s_cpu), compare_updates(u_ref, u_cpu))
-    np.testing.assert_array_equal(np.asarray(s_ref.mu["c"].codes), np.asarray(s_cpu.mu["c"].codes))
-    for k in ("d", "e"):  # the jnp path in both
-      np.testing.assert_array_equal(u_ref[k], u_cpu[k])
-    states = [s_ref, s_cpu]
+    u_ref, s_ref = ref_fn(grads, s_ref)
+    for name, state in states.items():
+      with isa_path(name):
+        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state))
+      assert_bitwise(u_ref, s_ref, u_cpu, s_cpu, ("a", "b"))
+      assert_close(compare_states(s_ref, s_cpu), compare_updates(u_ref, u_cpu))
+      np.testing.assert_array_equal(np.asarray(s_ref.mu["c"].codes),
+                                    np.asarray(s_cpu.mu["c"].codes))
+      for k in ("d", "e"):  # the jnp path in both
+        np.testing.assert_array_equal(u_ref[k], u_cpu[k])
+      states[name] = s_cpu
 
 
 @needs_kernel
 @pytest.mark.parametrize("recipe", ["default", "paper"])
 def test_kernel_bitwise_bf16_and_chunked(recipe):
   """bf16 parameters and gradients; a 1024x1024 leaf that the jnp path runs in
-  16 chunks (the stochastic draws must not depend on chunking)."""
+  16 chunks (the stochastic draws must not depend on chunking); every ISA path
+  this CPU runs."""
   params = {"w": 0.02 * jax.random.normal(jax.random.PRNGKey(0), (1024, 1024)),
             "h": (0.02 * jax.random.normal(jax.random.PRNGKey(1), (96, 512))).astype(jnp.bfloat16)}
   txs = [optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe=recipe, chunk_size=1 << 16,
                               implementation=impl) for impl in ("jnp", "cpu")]
-  states = [tx.init(params) for tx in txs]
-  updates_fns = [jax.jit(tx.update) for tx in txs]
+  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
+  s_ref = txs[0].init(params)
+  states = {name: txs[1].init(params) for name in _runnable_isas()}
   for step in range(3):
     grads = {k: (0.1 * p.astype(jnp.float32) + 0.01 * jax.random.normal(
         jax.random.PRNGKey(10 * step + i), p.shape)).astype(p.dtype)
              for i, (k, p) in enumerate(params.items())}
-    (u_ref, s_ref), (u_cpu, s_cpu) = [f(grads, s, params) for f, s in zip(updates_fns, states)]
-    assert u_cpu["h"].dtype == jnp.bfloat16
-    assert_bitwise(u_ref, s_ref[0], u_cpu, s_cpu[0], ("w", "h"))
-    states = [s_ref, s_cpu]
+    u_ref, s_ref = ref_fn(grads, s_ref, params)
+    for name, state in states.items():
+      with isa_path(name):
+        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state, params))
+      assert u_cpu["h"].dtype == jnp.bfloat16
+      assert_bitwise(u_ref, s_ref[0], u_cpu, s_cpu[0], ("w", "h"))
+      states[name] = s_cpu
 
 
 def _sharded_check() -> dict:

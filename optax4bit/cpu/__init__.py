@@ -1,8 +1,10 @@
 """A fused XLA CPU kernel (C++, ``jax.ffi``) for 4-bit AdamW, both recipes.
 
 On the CPU backend ``implementation="auto"`` (the default of every optimizer)
-runs, on CPUs where its AVX-512 build runs (`faster_than_jnp`), 2-D leaves quantized with the default recipe (``B128/NF`` stochastic,
-``Rank-1/SqrtDE-0``) or the paper's (``B128/DE``, ``Rank-1/Linear``) through it;
+runs, on CPUs where it beats the jnp path (`faster_than_jnp`; `isa` names the
+ISA path it runs), 2-D leaves quantized with the default recipe (``B128/NF``
+stochastic, ``Rank-1/SqrtDE-0``) or the paper's (``B128/DE``,
+``Rank-1/Linear``) through it;
 ``implementation="cpu"`` asks for it explicitly and ``"jnp"`` turns it off.
 It is built at install time from ``adam_4bit.cc`` when a C++17 compiler is
 found; without one optax4bit installs and runs its jnp implementation.
@@ -14,6 +16,6 @@ Example:
   True
 """
 
-from optax4bit.cpu.ffi import available, faster_than_jnp, unavailable_reason
+from optax4bit.cpu.ffi import available, faster_than_jnp, isa, isas, unavailable_reason
 
-__all__ = ["available", "faster_than_jnp", "unavailable_reason"]
+__all__ = ["available", "faster_than_jnp", "isa", "isas", "unavailable_reason"]

@@ -6,7 +6,8 @@
 //   second moment Rank-1/Linear or Rank-1/SqrtDE-0 (unsigned, scales
 //                 min(row max, column max)), rounded to the nearest entry.
 // The default recipe is B128/NF stochastic + Rank-1/SqrtDE-0, the paper's
-// B128/DE + Rank-1/Linear, both nearest. One set of row kernels serves all:
+// B128/DE + Rank-1/Linear, both nearest. One set of row kernels
+// (adam_4bit_rows.h) serves all:
 // the maps' entries and thresholds come in as the `tables` input, the
 // rounding as attributes, stochastic rounding's per-leaf seeds as `seeds`.
 // Two FFI calls per leaf:
@@ -15,6 +16,9 @@
 //   2. Adam4bitApply: per row, decode both moments, run the float32 Adam step,
 //      write the update over the gradient and re-encode both moments in place.
 // No float32 moment is stored: a row's moments live in per-thread scratch.
+// The row kernels are compiled once per ISA path (on x86-64 with GCC: AVX-512,
+// AVX2 and baseline x86-64; elsewhere the compiler's baseline). Calls run the
+// best path this CPU runs unless Optax4bitUseCpuIsa picks another.
 //
 // The arithmetic is that of the jnp reference as XLA (jaxlib 0.10) compiles
 // it for a leaf the jnp path splits into chunks (every leaf of two rows or
@@ -40,6 +44,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <string>
 #include <vector>
 
 #if defined(__SSE__) || defined(_M_X64)
@@ -47,19 +52,18 @@
 #define OPTAX4BIT_HAS_MXCSR 1
 #endif
 
+// x86-64 with GCC: the row kernels compiled for AVX-512 and AVX2 besides the
+// baseline (`#pragma GCC target`), one binary for any x86-64 machine.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OPTAX4BIT_X86_PATHS 1
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// x86-64: clones for AVX-512 and AVX2 picked at load time (one binary for
-// any x86-64 machine); elsewhere the compiler's baseline.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define OPTAX4BIT_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define OPTAX4BIT_HOT
-#endif
 
 constexpr int64_t kBlockBytes = 64;     // B128: 128 codes, two per byte
 constexpr int64_t kTableSize = 16;      // entries of a 4-bit map
@@ -73,34 +77,6 @@ inline float InverseTimes4(float s) {
   float r = 4.0f / (s > 0.0f ? s : 1.0f);
   r = r < FLT_MAX ? r : FLT_MAX;
   return s > 0.0f ? r : 0.0f;
-}
-
-// 16-lane vectors (GCC/Clang vector extensions): table lookups become one
-// permute per 16 elements (vpermps on AVX-512) instead of a select tree.
-typedef float F16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-typedef uint32_t UI16 __attribute__((vector_size(64)));
-typedef uint16_t W16 __attribute__((vector_size(32)));
-typedef uint8_t U16 __attribute__((vector_size(16)));
-constexpr I16 kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-constexpr I16 kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-
-inline F16 LoadF16(const float* p) {
-  F16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void StoreF16(float* p, F16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline I16 LoadCodes16(const uint8_t* p) {
-  U16 v;
-  std::memcpy(&v, p, sizeof(v));
-  // Widened in two steps: GCC turns a direct uint8 -> int32 conversion into
-  // scalar code, this into vpmovzx instructions.
-  return __builtin_convertvector(__builtin_convertvector(v, W16), I16);
-}
-inline void StoreCodes16(uint8_t* p, I16 codes) {
-  const U16 v = __builtin_convertvector(codes, U16);
-  std::memcpy(p, &v, sizeof(v));
 }
 
 // XLA's CPU backend computes with subnormals flushed to zero.
@@ -125,19 +101,107 @@ Coefficients ReadCoefficients(const float* c) {
   return Coefficients{c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]};
 }
 
-// a * b + c rounded once, as XLA's CPU backend contracts a multiply feeding an
-// add (LLVM fuses the add's first operand when both are products). GCC
-// vectorizes these into FMA instructions in the clones that have them.
-inline float MulAdd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-inline F16 MulAdd16(F16 a, F16 b, F16 c) {
-  // Through arrays: a loop GCC vectorizes at any vector width (lane by lane
-  // on a vector type wider than the target's, it calls fmaf per element).
-  float x[16], y[16], z[16];
-  std::memcpy(x, &a, sizeof(x));
-  std::memcpy(y, &b, sizeof(y));
-  std::memcpy(z, &c, sizeof(z));
-  for (int k = 0; k < 16; ++k) x[k] = __builtin_fmaf(x[k], y[k], z[k]);
-  return LoadF16(x);
+// tables: the quantizers' tables, kTablesSize floats: the first moment's 16
+// entries and 15 midpoint thresholds, then the second moment's.
+constexpr int64_t kTablesSize = 4 * kTableSize - 2;
+
+// What the rows of Adam4bitStats read and write; see StatsImpl.
+struct StatsRowsArgs {
+  int64_t h;  // half the row length
+  const float *g, *row_scales, *col_even, *col_odd, *v_table;
+  const uint8_t* codes;
+  Coefficients c;
+  float* new_rows;
+};
+
+// What the rows of Adam4bitApply read and write; see ApplyImpl.
+struct ApplyRowsArgs {
+  int64_t h;
+  const float *g, *m_scales, *row_scales, *new_row_scales, *col_even, *col_odd, *inv_col_even,
+      *inv_col_odd, *m_table, *v_table, *v_thresholds4;
+  const uint8_t *m_codes, *v_codes;
+  const uint32_t* row_base;
+  uint32_t m_seed;
+  float inverse_factor;
+  Coefficients c;
+  bool nesterov, m_stochastic, v_linear;
+  float* out;
+  uint8_t *m_out, *v_out;
+  float* m_scales_out;
+};
+
+// The row kernels of each ISA path, in a namespace of its own (their vectors
+// as wide as the path's registers).
+#ifdef OPTAX4BIT_X86_PATHS
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+namespace avx512 {
+#define OPTAX4BIT_ROWS_AVX512 1
+#define OPTAX4BIT_ROWS_AVX2 0
+#include "adam_4bit_rows.h"
+#undef OPTAX4BIT_ROWS_AVX512
+#undef OPTAX4BIT_ROWS_AVX2
+}  // namespace avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+namespace avx2 {
+#define OPTAX4BIT_ROWS_AVX512 0
+#define OPTAX4BIT_ROWS_AVX2 1
+#include "adam_4bit_rows.h"
+#undef OPTAX4BIT_ROWS_AVX512
+#undef OPTAX4BIT_ROWS_AVX2
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+namespace baseline {
+#define OPTAX4BIT_ROWS_AVX512 0
+#define OPTAX4BIT_ROWS_AVX2 0
+#include "adam_4bit_rows.h"
+#undef OPTAX4BIT_ROWS_AVX512
+#undef OPTAX4BIT_ROWS_AVX2
+}  // namespace baseline
+
+// An ISA path: its name, whether this CPU runs it and its row kernels.
+struct IsaPath {
+  const char* name;
+  bool (*runs)();
+  void (*stats_rows)(const StatsRowsArgs&, int64_t, int64_t, float*, uint32_t*);
+  void (*apply_rows)(const ApplyRowsArgs&, int64_t, int64_t, float*);
+};
+
+#ifdef OPTAX4BIT_X86_PATHS
+bool RunsAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool RunsAvx512() {
+  return RunsAvx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512cd") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+#endif
+
+// Best first.
+constexpr IsaPath kIsaPaths[] = {
+#ifdef OPTAX4BIT_X86_PATHS
+    {"avx512", RunsAvx512, avx512::StatsRows, avx512::ApplyRows},
+    {"avx2", RunsAvx2, avx2::StatsRows, avx2::ApplyRows},
+#endif
+    {"baseline", [] { return true; }, baseline::StatsRows, baseline::ApplyRows},
+};
+
+// The path the calls run: the best this CPU runs unless set otherwise.
+std::atomic<const IsaPath*>& CurrentIsaPath() {
+  static std::atomic<const IsaPath*> path{[] {
+    const IsaPath* best = &kIsaPaths[0];
+    while (!best->runs()) ++best;  // baseline runs everywhere
+    return best;
+  }()};
+  return path;
 }
 
 // Process-wide worker threads, started on first use. XLA's intra-op pool
@@ -225,367 +289,6 @@ class RowSplitter {
   int64_t rows_, grain_, chunks_, workers_;
 };
 
-// Row kernels. A row of d = 2h elements is split into its even and odd
-// elements (the low and high nibbles of the packed code bytes): x[0, h) holds
-// the even elements, x[h, 2h) the odd ones.
-
-// New first moment (1 - b1) g + b1 m of one row; entries by table permutes.
-OPTAX4BIT_HOT void NewFirstMoment(int64_t h, const float* __restrict g,
-                                  const uint8_t* __restrict codes,
-                                  const float* __restrict block_scales,
-                                  const float* __restrict m_table, float b1, float one_minus_b1,
-                                  float* __restrict m) {
-  const F16 table = LoadF16(m_table);
-  for (int64_t b = 0; b < h / kBlockBytes; ++b) {
-    const float s = block_scales[b];
-    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += 16) {
-      const I16 byte = LoadCodes16(codes + j);
-      const F16 ga = LoadF16(g + 2 * j), gb = LoadF16(g + 2 * j + 16);
-      const F16 ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
-      const F16 de_even = __builtin_shuffle(table, byte & 15);
-      const F16 de_odd = __builtin_shuffle(table, byte >> 4);
-      StoreF16(m + j, MulAdd16(F16{} + one_minus_b1, ge, b1 * (de_even * s)));
-      StoreF16(m + h + j, MulAdd16(F16{} + one_minus_b1, go, b1 * (de_odd * s)));
-    }
-  }
-}
-
-// New second moment (1 - b2) g^2 + b2 v of one row; the rank-1 scale is
-// min(row max, column max). Linear decodes code k to (k + 1) / 16 (a closed
-// form, bit-identical to its table entry), other maps by a table permute.
-template <bool kLinear>
-__attribute__((always_inline)) inline void NewSecondMomentT(
-    int64_t h, const float* __restrict g, const uint8_t* __restrict codes, float row_scale,
-    const float* __restrict col_even, const float* __restrict col_odd,
-    const float* __restrict v_table, float b2, float one_minus_b2, float* __restrict v) {
-  if constexpr (kLinear) {
-    // A scalar loop: GCC vectorizes it (64 codes per iteration) a little
-    // faster than 16-lane vector code.
-    for (int64_t j = 0; j < h; ++j) {
-      const int byte = codes[j];
-      const float ge = g[2 * j], go = g[2 * j + 1];
-      const float se = row_scale < col_even[j] ? row_scale : col_even[j];
-      const float so = row_scale < col_odd[j] ? row_scale : col_odd[j];
-      v[j] = MulAdd(one_minus_b2, ge * ge, b2 * (((float)(byte & 15) + 1.0f) * 0.0625f * se));
-      v[h + j] = MulAdd(one_minus_b2, go * go, b2 * (((float)(byte >> 4) + 1.0f) * 0.0625f * so));
-    }
-  } else {
-    const F16 table = LoadF16(v_table);
-    const F16 row = F16{} + row_scale;
-    for (int64_t j = 0; j < h; j += 16) {
-      const I16 byte = LoadCodes16(codes + j);
-      const F16 ga = LoadF16(g + 2 * j), gb = LoadF16(g + 2 * j + 16);
-      const F16 ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
-      const F16 ce = LoadF16(col_even + j), co = LoadF16(col_odd + j);
-      const F16 se = row < ce ? row : ce, so = row < co ? row : co;
-      const F16 c = F16{} + one_minus_b2;
-      StoreF16(v + j, MulAdd16(c, ge * ge, b2 * (__builtin_shuffle(table, byte & 15) * se)));
-      StoreF16(v + h + j, MulAdd16(c, go * go, b2 * (__builtin_shuffle(table, byte >> 4) * so)));
-    }
-  }
-}
-
-OPTAX4BIT_HOT void NewSecondMoment(bool linear, int64_t h, const float* __restrict g,
-                                   const uint8_t* __restrict codes, float row_scale,
-                                   const float* __restrict col_even,
-                                   const float* __restrict col_odd,
-                                   const float* __restrict v_table, float b2, float one_minus_b2,
-                                   float* __restrict v) {
-  if (linear) {
-    NewSecondMomentT<true>(h, g, codes, row_scale, col_even, col_odd, v_table, b2, one_minus_b2,
-                           v);
-  } else {
-    NewSecondMomentT<false>(h, g, codes, row_scale, col_even, col_odd, v_table, b2,
-                            one_minus_b2, v);
-  }
-}
-
-// |x| as bits, 0 where x is not finite, for 16 lanes: non-negative floats
-// order like their bits.
-inline UI16 FiniteAbsBits16(F16 x) {
-  const UI16 u = (UI16)x & 0x7fffffffu;
-  return u < 0x7f800000u ? u : 0u;
-}
-
-inline UI16 Max16(UI16 a, UI16 b) { return a > b ? a : b; }
-
-inline uint32_t HorizontalMax(UI16 x) {
-  uint32_t r = 0;
-  for (int k = 0; k < 16; ++k) r = x[k] > r ? x[k] : r;
-  return r;
-}
-
-// Maxima of finite |v| of one row into the row scale and the running column
-// maxima (as bits).
-OPTAX4BIT_HOT void SecondMomentMaxima(int64_t h, const float* __restrict v, float* __restrict row,
-                                      uint32_t* __restrict col_even,
-                                      uint32_t* __restrict col_odd) {
-  UI16 r = {};
-  for (int64_t j = 0; j < h; j += 16) {
-    const UI16 e = FiniteAbsBits16(LoadF16(v + j)), o = FiniteAbsBits16(LoadF16(v + h + j));
-    r = Max16(r, Max16(e, o));
-    UI16 ce, co;
-    std::memcpy(&ce, col_even + j, sizeof(ce));
-    std::memcpy(&co, col_odd + j, sizeof(co));
-    ce = Max16(ce, e);
-    co = Max16(co, o);
-    std::memcpy(col_even + j, &ce, sizeof(ce));
-    std::memcpy(col_odd + j, &co, sizeof(co));
-  }
-  *row = FromBits(HorizontalMax(r));
-}
-
-// v / c2, the correctly rounded quotient XLA's division gives, without a
-// division (the update is bound by the divider): with r = RN(1 / c2) and
-// q0 = RN(v r), Markstein's correction RN(q0 + (v - c2 q0) r), two FMAs, is
-// RN(v / c2) when nothing underflows or overflows: for q0 in [2**-40, 2**100]
-// or 0 and c2 >= 2**-40 (then v - c2 q0 is exact and normal or 0; checked
-// against the division on all float32 significands for a dozen c2). Elsewhere
-// `unsafe` is set and the caller divides.
-inline float VOverC2(float v, float c2, float r, int& unsafe) {
-  const float q0 = v * r;
-  unsafe |= !((q0 >= 0x1p-40f && q0 <= 0x1p100f) || q0 == 0.0f);
-  return __builtin_fmaf(__builtin_fmaf(-q0, c2, v), r, q0);
-}
-
-inline bool C2AllowsMarkstein(float c2) { return c2 >= 0x1p-40f && c2 <= 1.0f; }
-
-// The Adam update m_hat / (sqrt(v_hat + eps_root) + eps), in the form XLA
-// compiles the jnp reference to: m / (c1 * (sqrt(v / c2 + eps_root) + eps))
-// (XLA's algebraic simplifier turns (a / b) / c into a / (b * c)).
-template <bool kDivide>
-__attribute__((always_inline)) inline int UpdateT(int64_t h, const float* __restrict m,
-                                                  const float* __restrict v,
-                                                  const Coefficients& c, float r,
-                                                  float* __restrict out) {
-  int unsafe = 0;
-  for (int64_t j = 0; j < h; ++j) {
-    const float ve = kDivide ? v[j] / c.c2 : VOverC2(v[j], c.c2, r, unsafe);
-    const float vo = kDivide ? v[h + j] / c.c2 : VOverC2(v[h + j], c.c2, r, unsafe);
-    out[2 * j] = m[j] / (c.c1 * (std::sqrt(ve + c.eps_root) + c.eps));
-    out[2 * j + 1] = m[h + j] / (c.c1 * (std::sqrt(vo + c.eps_root) + c.eps));
-  }
-  return unsafe;
-}
-
-OPTAX4BIT_HOT void Update(int64_t h, const float* __restrict m, const float* __restrict v,
-                          const Coefficients& c, float* __restrict out) {
-  const float r = 1.0f / c.c2;
-  if (!C2AllowsMarkstein(c.c2) || UpdateT<false>(h, m, v, c, r, out)) {
-    UpdateT<true>(h, m, v, c, r, out);
-  }
-}
-
-// Nesterov: (b1 m / c1_next + (1 - b1) g / c1) / (sqrt(v / c2 + eps_root) + eps),
-// the first product fused into the add as XLA does.
-template <bool kDivide>
-__attribute__((always_inline)) inline int NesterovUpdateT(
-    int64_t h, const float* __restrict g, const float* __restrict m, const float* __restrict v,
-    const Coefficients& c, float r, float* __restrict out) {
-  int unsafe = 0;
-  for (int64_t j = 0; j < h; ++j) {
-    for (int64_t half = 0; half < 2; ++half) {
-      const int64_t k = half * h + j, e = 2 * j + half;
-      const float v_hat = kDivide ? v[k] / c.c2 : VOverC2(v[k], c.c2, r, unsafe);
-      out[e] = MulAdd(c.one_minus_b1, g[e] / c.c1, c.b1 * (m[k] / c.c1_next)) /
-               (std::sqrt(v_hat + c.eps_root) + c.eps);
-    }
-  }
-  return unsafe;
-}
-
-OPTAX4BIT_HOT void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restrict m,
-                                  const float* __restrict v, const Coefficients& c,
-                                  float* __restrict out) {
-  const float r = 1.0f / c.c2;
-  if (!C2AllowsMarkstein(c.c2) || NesterovUpdateT<false>(h, g, m, v, c, r, out)) {
-    NesterovUpdateT<true>(h, g, m, v, c, r, out);
-  }
-}
-
-// Binary search over 15 sorted bounds b[0..14]: the number of bounds below x
-// (x > b, or x >= b if kInclusive), by 4 compares whose bounds are picked by
-// permutes, as optax4bit.quant.maps.count_above (b[15] = +inf is never
-// selected).
-struct Bounds {
-  F16 b, b_plus1, b_plus3;  // b_plus1[k] = b[k + 1], b_plus3[k] = b[k + 3]: no index adds
-  F16 b7;
-};
-
-inline Bounds MakeBounds(const float* bounds) {
-  Bounds r;
-  for (int k = 0; k < kTableSize; ++k) {
-    r.b[k] = k < kTableSize - 1 ? bounds[k] : INFINITY;
-    r.b_plus1[k] = k + 1 < kTableSize - 1 ? bounds[k + 1] : INFINITY;
-    r.b_plus3[k] = k + 3 < kTableSize - 1 ? bounds[k + 3] : INFINITY;
-  }
-  r.b7 = F16{} + bounds[7];
-  return r;
-}
-
-template <bool kInclusive>
-__attribute__((always_inline)) inline I16 CountAbove(const Bounds& t, F16 x) {
-  auto above = [](F16 x, F16 b) { return kInclusive ? x >= b : x > b; };
-  I16 c = above(x, t.b7) ? I16{} + 8 : I16{};
-  c = above(x, __builtin_shuffle(t.b_plus3, c)) ? c + 4 : c;
-  c = above(x, __builtin_shuffle(t.b_plus1, c)) ? c + 2 : c;
-  return above(x, __builtin_shuffle(t.b, c)) ? c + 1 : c;
-}
-
-// optax4bit.quant.maps.mix32 on 16 lanes (uint32 multiplies wrap).
-inline UI16 Mix32(UI16 x) {
-  x ^= x >> 16;
-  x *= 0x21F0AAADu;
-  x ^= x >> 15;
-  x *= 0x735A2D97u;
-  return x ^ (x >> 15);
-}
-
-constexpr UI16 kEvenIndex = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-
-// The U[0, 1) draws of maps.hashed_uniform for 16 elements with flat indices
-// index (mod 2**32): (mix32(index ^ seed) >> 8) * 2**-24, exact in float32.
-inline F16 HashedUniform16(UI16 index, uint32_t seed) {
-  const UI16 bits = Mix32(index ^ seed) >> 8;
-  return __builtin_convertvector((I16)bits, F16) * 0x1p-24f;
-}
-
-// How a row of the first moment is rounded to codes: to the nearest entry
-// (the count of midpoint thresholds below n), or stochastically as
-// optax4bit.quant.maps.encode_stochastic (n clipped to the table; lower = the
-// largest k with table[k] <= n; up by one where the draw u < (n - table[lower])
-// / gap, gap = table[lower + 1] - table[lower], 0 at the top entry).
-struct FirstMomentRounding {
-  Bounds thresholds;  // nearest: the 15 midpoint thresholds
-  Bounds entries;     // stochastic: table[1..15]
-  F16 table;
-  // gap[k] = table[k + 1] - table[k] where that is > 0, else 1 (then n -
-  // table[k] is 0: only n = table[15] is left there by the clip).
-  F16 gap;
-  float lowest, highest;
-  uint32_t seed;
-
-  FirstMomentRounding(const float* values, const float* midpoints, uint32_t seed_)
-      : thresholds(MakeBounds(midpoints)), entries(MakeBounds(values + 1)),
-        table(LoadF16(values)), lowest(values[0]), highest(values[kTableSize - 1]),
-        seed(seed_) {
-    for (int k = 0; k < kTableSize; ++k) {
-      const float gap_k = values[std::min<int>(k + 1, kTableSize - 1)] - values[k];
-      gap[k] = gap_k > 0.0f ? gap_k : 1.0f;
-    }
-  }
-
-  template <bool kStochastic>
-  __attribute__((always_inline)) I16 Codes(F16 n, UI16 index) const {
-    if constexpr (!kStochastic) {
-      return CountAbove<false>(thresholds, n);
-    } else {
-      n = n > lowest ? n : lowest;
-      n = n < highest ? n : highest;
-      const I16 lower = CountAbove<true>(entries, n);
-      const F16 probability =
-          (n - __builtin_shuffle(table, lower)) / __builtin_shuffle(gap, lower);
-      return lower - (HashedUniform16(index, seed) < probability);  // a true compare is -1
-    }
-  }
-};
-
-// B128 codes of one row of m: block maxima, then the codes of the normalized
-// values. row_index: the flat index (mod 2**32) of the row's first element
-// in the leaf, for stochastic rounding's draws.
-template <bool kStochastic>
-__attribute__((always_inline)) inline void EncodeFirstMomentT(
-    int64_t h, const float* __restrict m, const FirstMomentRounding& rounding,
-    uint32_t row_index, float* __restrict block_scales, uint8_t* __restrict codes) {
-  // Blocks in groups of 16: the maxima, then their reciprocals, then the
-  // codes, so that no block waits on its own division.
-  constexpr int64_t kGroup = 16;
-  const int64_t blocks = h / kBlockBytes;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
-    const int64_t n = std::min(kGroup, blocks - b0);
-    float inverse[kGroup];
-    for (int64_t b = 0; b < n; ++b) {
-      const float* mb = m + (b0 + b) * kBlockBytes;
-      UI16 s = {};
-      for (int64_t j = 0; j < kBlockBytes; j += 16) {
-        s = Max16(s, Max16(FiniteAbsBits16(LoadF16(mb + j)), FiniteAbsBits16(LoadF16(mb + h + j))));
-      }
-      block_scales[b0 + b] = FromBits(HorizontalMax(s));
-    }
-    for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
-    for (int64_t b = 0; b < n; ++b) {
-      for (int64_t j = (b0 + b) * kBlockBytes; j < (b0 + b + 1) * kBlockBytes; j += 16) {
-        F16 xe = (LoadF16(m + j) * inverse[b]) * 0.25f;
-        F16 xo = (LoadF16(m + h + j) * inverse[b]) * 0.25f;
-        xe = xe == xe ? xe : 0.0f;
-        xo = xo == xo ? xo : 0.0f;
-        const UI16 even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
-        StoreCodes16(codes + j, rounding.Codes<kStochastic>(xe, even_index) |
-                                    (rounding.Codes<kStochastic>(xo, even_index + 1) << 4));
-      }
-    }
-  }
-}
-
-OPTAX4BIT_HOT void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
-                                     const FirstMomentRounding& rounding, uint32_t row_index,
-                                     float* __restrict block_scales, uint8_t* __restrict codes) {
-  if (stochastic) {
-    EncodeFirstMomentT<true>(h, m, rounding, row_index, block_scales, codes);
-  } else {
-    EncodeFirstMomentT<false>(h, m, rounding, row_index, block_scales, codes);
-  }
-}
-
-// Rank-1 codes of one row of v, nearest rounding.
-//
-// Linear (a closed form): ceil(16 n - 1.5) clamped to [0, 15], n = v *
-// max(4 / row scale, 4 / column scale) / 4, NaN read as 0. The inverses come
-// times 4 (inverse16): 16 n = v * inverse16 exactly, as scaling by a power of
-// two commutes with rounding. NaN fails y > 0 and gets level 0 as 0 does.
-// Clamping before the ceiling gives the same level and keeps the float -> int
-// conversion in range; ceil(y) = trunc(y) + (trunc(y) < y).
-//
-// Other maps: n = (v * max(4 / row scale, 4 / column scale)) * 0.25 (the
-// inverses come times 4: inverse4), NaN read as 0, then the number of the 15
-// thresholds below n, all positive normal numbers: n > t exactly when y =
-// v * inverse4 > 4 t (a NaN y, which n reads as 0, is above none of them,
-// and a y whose quarter is subnormal is below all), so thresholds4 holds 4 t.
-template <bool kLinear>
-__attribute__((always_inline)) inline void EncodeSecondMomentT(
-    int64_t h, const float* __restrict v, float row_inverse, const float* __restrict col_even,
-    const float* __restrict col_odd, const Bounds& thresholds4, uint8_t* __restrict codes) {
-  auto levels = [row_inverse, &thresholds4](F16 x, F16 col_inverse) {
-    const F16 inverse = col_inverse > row_inverse ? col_inverse : row_inverse;
-    if constexpr (kLinear) {
-      F16 y = x * inverse - 1.5f;
-      y = y > 0.0f ? y : 0.0f;
-      y = y < 15.0f ? y : 15.0f;
-      const I16 t = __builtin_convertvector(y, I16);
-      return t + ((__builtin_convertvector(t, F16) < y) & 1);
-    } else {
-      return CountAbove<false>(thresholds4, x * inverse);
-    }
-  };
-  for (int64_t j = 0; j < h; j += 16) {
-    const I16 even = levels(LoadF16(v + j), LoadF16(col_even + j));
-    const I16 odd = levels(LoadF16(v + h + j), LoadF16(col_odd + j));
-    StoreCodes16(codes + j, even | (odd << 4));
-  }
-}
-
-// row_inverse, col_*: inverse16 for Linear, inverse4 for the other maps.
-OPTAX4BIT_HOT void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
-                                      float row_inverse, const float* __restrict col_even,
-                                      const float* __restrict col_odd, const Bounds& thresholds4,
-                                      uint8_t* __restrict codes) {
-  if (linear) {
-    EncodeSecondMomentT<true>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
-  } else {
-    EncodeSecondMomentT<false>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
-  }
-}
-
 // The even and odd elements of a row of d = 2h values.
 void SplitEvenOdd(int64_t h, const float* x, std::vector<float>& even, std::vector<float>& odd) {
   even.resize(h);
@@ -616,10 +319,6 @@ ffi::Error LeafGeometry(const ffi::Buffer<ffi::F32>& grad, const ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-// tables: the quantizers' tables, kTablesSize floats: the first moment's 16
-// entries and 15 midpoint thresholds, then the second moment's.
-constexpr int64_t kTablesSize = 4 * kTableSize - 2;
-
 ffi::Error CheckTables(const ffi::Buffer<ffi::F32>& tables) {
   if ((int64_t)tables.element_count() != kTablesSize) {
     return ffi::Error::InvalidArgument(
@@ -628,12 +327,11 @@ ffi::Error CheckTables(const ffi::Buffer<ffi::F32>& tables) {
   return ffi::Error::Success();
 }
 
-// v_linear: the second moment's map is Linear (else decoded by its table).
 ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
                      ffi::Buffer<ffi::F32> v_cols, ffi::Buffer<ffi::F32> coef,
-                     ffi::Buffer<ffi::F32> tables, bool v_linear,
-                     ffi::ResultBuffer<ffi::F32> new_rows, ffi::ResultBuffer<ffi::F32> new_cols) {
+                     ffi::Buffer<ffi::F32> tables, ffi::ResultBuffer<ffi::F32> new_rows,
+                     ffi::ResultBuffer<ffi::F32> new_cols) {
   int64_t rows, d;
   if (ffi::Error error = LeafGeometry(grad, v_codes, v_rows, v_cols, coef, rows, d);
       error.failure()) {
@@ -641,27 +339,25 @@ ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   }
   if (ffi::Error error = CheckTables(tables); error.failure()) return error;
   const int64_t h = d / 2;
-  const Coefficients c = ReadCoefficients(coef.typed_data());
-  const float* v_table = tables.typed_data() + 2 * kTableSize - 1;
-  const float* g = grad.typed_data();
-  const uint8_t* codes = v_codes.typed_data();
-  const float* row_scales = v_rows.typed_data();
-  const float* col_scales = v_cols.typed_data();
   std::vector<float> col_even, col_odd;
-  SplitEvenOdd(h, col_scales, col_even, col_odd);
-  float* out_rows = new_rows->typed_data();
+  SplitEvenOdd(h, v_cols.typed_data(), col_even, col_odd);
+  StatsRowsArgs args;
+  args.h = h;
+  args.g = grad.typed_data();
+  args.row_scales = v_rows.typed_data();
+  args.col_even = col_even.data();
+  args.col_odd = col_odd.data();
+  args.v_table = tables.typed_data() + 2 * kTableSize - 1;
+  args.codes = v_codes.typed_data();
+  args.c = ReadCoefficients(coef.typed_data());
+  args.new_rows = new_rows->typed_data();
+  const IsaPath& isa = *CurrentIsaPath().load();
   RowSplitter splitter(pool, rows, d);
   std::vector<std::vector<uint32_t>> col_max(splitter.NumWorkers(), std::vector<uint32_t>(d, 0));
   std::vector<std::vector<float>> scratch(splitter.NumWorkers());
   splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
-    std::vector<float>& v = scratch[worker];
-    v.resize(d);
-    uint32_t* cm = col_max[worker].data();
-    for (int64_t i = lo; i < hi; ++i) {
-      NewSecondMoment(v_linear, h, g + i * d, codes + i * h, row_scales[i], col_even.data(),
-                      col_odd.data(), v_table, c.b2, c.one_minus_b2, v.data());
-      SecondMomentMaxima(h, v.data(), out_rows + i, cm, cm + h);
-    }
+    scratch[worker].resize(d);
+    isa.stats_rows(args, lo, hi, scratch[worker].data(), col_max[worker].data());
   });
   float* out_cols = new_cols->typed_data();
   for (int64_t j = 0; j < h; ++j) {
@@ -680,7 +376,8 @@ ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 // the first and second moments; row_bases: (rows,) uint32, the flat index in
 // the whole leaf of each row's first element (maps.row_hash_bases: i * d for
 // a whole leaf, global indices for a shard); m_stochastic: round the first moment
-// stochastically (else to the nearest entry); v_linear: see StatsImpl.
+// stochastically (else to the nearest entry); v_linear: the second moment's
+// map is Linear (encoded by a closed form, others by their thresholds).
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
                      ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
@@ -711,11 +408,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
     return ffi::Error::InvalidArgument("row_bases must hold one uint32 per row");
   }
   FlushDenormals flush;  // also for the scale reciprocals below
-  const Coefficients c = ReadCoefficients(coef.typed_data());
   const float* m_table = tables.typed_data();
   const float* v_table = m_table + 2 * kTableSize - 1;
-  const FirstMomentRounding m_rounding(m_table, m_table + kTableSize, seeds.typed_data()[0]);
-  const uint32_t* row_base = row_bases.typed_data();
   float v_thresholds4[kTableSize - 1];
   for (int k = 0; k < kTableSize - 1; ++k) {
     const float t = v_table[kTableSize + k];
@@ -724,13 +418,6 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
     }
     v_thresholds4[k] = 4.0f * t;
   }
-  const Bounds v_thresholds4_bounds = MakeBounds(v_thresholds4);
-  const float* g = grad.typed_data();
-  const uint8_t* old_m_codes = m_codes.typed_data();
-  const float* old_m_scales = m_scales.typed_data();
-  const uint8_t* old_v_codes = v_codes.typed_data();
-  const float* row_scales = v_rows.typed_data();
-  const float* new_row_scales = new_v_rows.typed_data();
   // Inverses of the new scales: times 16 for Linear, times 4 otherwise (see
   // EncodeSecondMoment).
   const float inverse_factor = v_linear ? 4.0f : 1.0f;
@@ -741,38 +428,38 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
     inv_col_even[j] = InverseTimes4(inv_col_even[j]) * inverse_factor;
     inv_col_odd[j] = InverseTimes4(inv_col_odd[j]) * inverse_factor;
   }
-  float* out = update->typed_data();
-  uint8_t* m_out = m_codes_out->typed_data();
-  float* m_scales_new = m_scales_out->typed_data();
-  uint8_t* v_out = v_codes_out->typed_data();
+  ApplyRowsArgs args;
+  args.h = h;
+  args.g = grad.typed_data();
+  args.m_scales = m_scales.typed_data();
+  args.row_scales = v_rows.typed_data();
+  args.new_row_scales = new_v_rows.typed_data();
+  args.col_even = col_even.data();
+  args.col_odd = col_odd.data();
+  args.inv_col_even = inv_col_even.data();
+  args.inv_col_odd = inv_col_odd.data();
+  args.m_table = m_table;
+  args.v_table = v_table;
+  args.v_thresholds4 = v_thresholds4;
+  args.m_codes = m_codes.typed_data();
+  args.v_codes = v_codes.typed_data();
+  args.row_base = row_bases.typed_data();
+  args.m_seed = seeds.typed_data()[0];
+  args.inverse_factor = inverse_factor;
+  args.c = ReadCoefficients(coef.typed_data());
+  args.nesterov = nesterov;
+  args.m_stochastic = m_stochastic;
+  args.v_linear = v_linear;
+  args.out = update->typed_data();
+  args.m_out = m_codes_out->typed_data();
+  args.v_out = v_codes_out->typed_data();
+  args.m_scales_out = m_scales_out->typed_data();
+  const IsaPath& isa = *CurrentIsaPath().load();
   RowSplitter splitter(pool, rows, d);
   std::vector<std::vector<float>> scratch(splitter.NumWorkers());
   splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
-    std::vector<float>& buffer = scratch[worker];
-    buffer.resize(3 * d);
-    float* m = buffer.data();
-    float* v = m + d;
-    float* work = v + d;
-    for (int64_t i = lo; i < hi; ++i) {
-      // The update overwrites the gradient row (aliased): read it first.
-      const float* g_row = g + i * d;
-      NewFirstMoment(h, g_row, old_m_codes + i * h, old_m_scales + i * blocks, m_table, c.b1,
-                     c.one_minus_b1, m);
-      NewSecondMoment(v_linear, h, g_row, old_v_codes + i * h, row_scales[i], col_even.data(),
-                      col_odd.data(), v_table, c.b2, c.one_minus_b2, v);
-      if (nesterov) {
-        std::memcpy(work, g_row, d * sizeof(float));
-        NesterovUpdate(h, work, m, v, c, out + i * d);
-      } else {
-        Update(h, m, v, c, out + i * d);
-      }
-      // Flat element indices wrap modulo 2**32, as maps.hashed_uniform's.
-      EncodeFirstMoment(m_stochastic, h, m, m_rounding, row_base[i],
-                        m_scales_new + i * blocks, m_out + i * h);
-      EncodeSecondMoment(v_linear, h, v, InverseTimes4(new_row_scales[i]) * inverse_factor,
-                         inv_col_even.data(), inv_col_odd.data(), v_thresholds4_bounds,
-                         v_out + i * h);
-    }
+    scratch[worker].resize(3 * d);
+    isa.apply_rows(args, lo, hi, scratch[worker].data());
   });
   return ffi::Error::Success();
 }
@@ -787,17 +474,32 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 // handlers built against older headers, not newer ones.
 extern "C" const char* Optax4bitBuildJaxlibVersion() { return OPTAX4BIT_JAXLIB_VERSION; }
 
-// Whether this CPU runs the x86-64-v4 (AVX-512) clone of the row kernels. The
-// other clones lower the 16-lane table permutes element by element and are
-// slower than XLA's code for the jnp path (issue 15), so "auto" skips them.
-extern "C" int Optax4bitRunsAvx512Clone() {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-#else
+// The ISA paths this CPU runs, best first, comma-separated
+// ("avx512,avx2,baseline" on an AVX-512 x86-64 machine).
+extern "C" const char* Optax4bitCpuIsas() {
+  static const std::string names = [] {
+    std::string r;
+    for (const IsaPath& path : kIsaPaths) {
+      if (path.runs()) r += (r.empty() ? "" : ",") + std::string(path.name);
+    }
+    return r;
+  }();
+  return names.c_str();
+}
+
+// The ISA path the calls run.
+extern "C" const char* Optax4bitCpuIsa() { return CurrentIsaPath().load()->name; }
+
+// Makes later calls run the ISA path `name` (for tests and benchmarks);
+// returns 0 and changes nothing where this CPU does not run it.
+extern "C" int Optax4bitUseCpuIsa(const char* name) {
+  for (const IsaPath& path : kIsaPaths) {
+    if (std::strcmp(path.name, name) == 0 && path.runs()) {
+      CurrentIsaPath().store(&path);
+      return 1;
+    }
+  }
   return 0;
-#endif
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitStats, StatsImpl,
@@ -809,7 +511,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitStats, StatsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v column scales (1, d)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (12,)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // tables (62,)
-                                  .Attr<bool>("v_linear")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new v row scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // new v column scales
 );

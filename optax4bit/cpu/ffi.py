@@ -1,8 +1,10 @@
 """The fused XLA CPU kernel of 4-bit Adam, called through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers two FFI targets for XLA's CPU backend. It covers a 2-D
-leaf whose last axis is a multiple of 128, with both recipes of
+extension) registers two FFI targets for XLA's CPU backend. Its row kernels
+(``adam_4bit_rows.h``) are compiled per ISA path (`isas`); calls run the best
+one this CPU runs (`isa`) unless ``OPTAX4BIT_CPU_ISA`` names another. It
+covers a 2-D leaf whose last axis is a multiple of 128, with both recipes of
 `optax4bit.recipes` and any pairing of their quantizers (4 bits):
 
 * first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
@@ -50,7 +52,8 @@ from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.spec import QuantSpec
 
-__all__ = ["available", "faster_than_jnp", "unavailable_reason", "covers", "adam_leaf", "CpuSteps"]
+__all__ = ["available", "faster_than_jnp", "isa", "isas", "unavailable_reason", "covers",
+           "adam_leaf", "CpuSteps"]
 
 _LIBRARY = "_adam_4bit"
 _STATS_TARGET = "optax4bit_adam_4bit_stats"
@@ -90,7 +93,13 @@ def _version_tuple(version: str) -> tuple:
   return tuple(parts)
 
 
-_RUNS_AVX512_CLONE = False  # set by `_load`
+# Forces the ISA path of the row kernels ("avx512", "avx2" or "baseline"),
+# read when the library loads; for tests and benchmarks.
+ISA_ENV = "OPTAX4BIT_CPU_ISA"
+# The ISA paths whose kernel beats the jnp path (benchmarks/RESULTS.md); the
+# baseline x86-64 path, without AVX2's 8-lane permutes, does not.
+_FASTER_THAN_JNP = frozenset({"avx512", "avx2"})
+_library = None  # set by `_load`
 
 
 @functools.cache
@@ -111,8 +120,14 @@ def _load() -> Optional[str]:
   if built == "unknown" or _version_tuple(running) < _version_tuple(built):
     return (f"the compiled CPU kernel was built against jaxlib {built}, newer than the "
             f"installed jaxlib {running} (reinstall optax4bit)")
-  global _RUNS_AVX512_CLONE
-  _RUNS_AVX512_CLONE = bool(library.Optax4bitRunsAvx512Clone())
+  library.Optax4bitCpuIsa.restype = ctypes.c_char_p
+  library.Optax4bitCpuIsas.restype = ctypes.c_char_p
+  forced = os.environ.get(ISA_ENV)
+  if forced and not library.Optax4bitUseCpuIsa(forced.encode()):
+    return (f"{ISA_ENV}={forced} names no ISA path this CPU runs "
+            f"({library.Optax4bitCpuIsas().decode()})")
+  global _library
+  _library = library
   jax.ffi.register_ffi_target(
       _STATS_TARGET, jax.ffi.pycapsule(library.Optax4bitAdam4bitStats), platform="cpu")
   jax.ffi.register_ffi_target(
@@ -132,18 +147,45 @@ def available() -> bool:
 
 
 def faster_than_jnp() -> bool:
-  """Whether ``implementation="auto"`` runs the kernel on this CPU: only its
-  AVX-512 build beats the jnp path (decided by ISA, never by timing). On
-  AVX2-only x86-64 and on other architectures the kernel is slower (issue
-  15), and ``"auto"`` runs the jnp path; ``implementation="cpu"`` still forces
-  the kernel.
+  """Whether ``implementation="auto"`` runs the kernel on this CPU: where the
+  ISA path it runs (`isa`) beats the jnp path (decided by ISA, never by
+  timing): AVX-512 and AVX2. Elsewhere the kernel is slower (issue 15) and
+  ``"auto"`` runs the jnp path; ``implementation="cpu"`` still forces the
+  kernel.
 
   Example:
     >>> import optax4bit.cpu
     >>> isinstance(optax4bit.cpu.faster_than_jnp(), bool)
     True
   """
-  return _load() is None and _RUNS_AVX512_CLONE
+  return isa() in _FASTER_THAN_JNP
+
+
+def isa() -> Optional[str]:
+  """The ISA path the kernel runs: ``"avx512"``, ``"avx2"`` or ``"baseline"``
+  (the best this CPU runs unless ``OPTAX4BIT_CPU_ISA`` names another); None
+  where the kernel is unavailable.
+
+  Example:
+    >>> import optax4bit.cpu
+    >>> optax4bit.cpu.isa() in (None, "avx512", "avx2", "baseline")
+    True
+  """
+  return None if _load() is not None else _library.Optax4bitCpuIsa().decode()
+
+
+def isas() -> tuple:
+  """The ISA paths this CPU runs, best first (empty where the kernel is
+  unavailable)."""
+  return () if _load() is not None else tuple(_library.Optax4bitCpuIsas().decode().split(","))
+
+
+def _use_isa(name: str) -> None:
+  """Makes later kernel calls, of compiled functions too, run the ISA path
+  ``name`` (for tests; block on results before switching back: dispatch is
+  asynchronous)."""
+  if _load() is not None or not _library.Optax4bitUseCpuIsa(name.encode()):
+    raise ValueError(f"this CPU runs the ISA paths {isas()}, not {name!r}")
 
 
 def unavailable_reason() -> Optional[str]:
@@ -184,8 +226,7 @@ def _stats_call(grad, m: QuantizedArray, v: QuantizedArray, coef):
   return jax.ffi.ffi_call(
       _STATS_TARGET,
       (jax.ShapeDtypeStruct(row.shape, jnp.float32), jax.ShapeDtypeStruct(col.shape, jnp.float32)),
-      vmap_method="sequential")(grad, v.codes, row, col, coef, _tables_of(m, v),
-                                v_linear=np.bool_(v.spec.mapping == "Linear"))
+      vmap_method="sequential")(grad, v.codes, row, col, coef, _tables_of(m, v))
 
 
 def _seeds(moments, keys):

@@ -1,0 +1,542 @@
+// Row kernels of the fused 4-bit Adam step (adam_4bit.cc), which includes
+// this file once per ISA path, each time inside a namespace of its own and
+// under a `#pragma GCC target` for it (no include guard; what it uses is
+// included and defined before). OPTAX4BIT_ROWS_AVX512 is 1 in the AVX-512
+// path, OPTAX4BIT_ROWS_AVX2 in the AVX2 path.
+
+// Vectors of kLanes floats or ints (GCC/Clang vector extensions), as wide as
+// the path's registers: 16 lanes with AVX-512, where a 16-entry table lookup is
+// one permute (vpermps); 8 with AVX2, where it is two and a blend (wider
+// vectors than the registers GCC keeps in memory and permutes element by
+// element). The baseline path takes 16 lanes, as GCC lowers them.
+#if OPTAX4BIT_ROWS_AVX2
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 16;
+#endif
+typedef float VF __attribute__((vector_size(4 * kLanes)));
+typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t VU __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t VW __attribute__((vector_size(2 * kLanes)));
+typedef uint8_t VB __attribute__((vector_size(kLanes)));
+#if OPTAX4BIT_ROWS_AVX2
+constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14};
+constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15};
+#else
+constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#endif
+
+inline VF LoadV(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
+// kLanes code bytes widened to ints: one vpmovzxbd where the path has it (GCC
+// turns a direct uint8 -> int32 conversion into scalar code, and the one
+// through uint16 below into a chain of nine instructions on AVX-512).
+inline VI LoadCodes(const uint8_t* p) {
+#if OPTAX4BIT_ROWS_AVX512
+  return (VI)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VI)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#else
+  VB v;
+  std::memcpy(&v, p, sizeof(v));
+  return __builtin_convertvector(__builtin_convertvector(v, VW), VI);
+#endif
+}
+inline void StoreCodes(uint8_t* p, VI codes) {
+  const VB v = __builtin_convertvector(codes, VB);
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// A 16-entry table in registers (a map's entries or thresholds) and a
+// 32-entry one of ints.
+struct Table {
+  VF part[16 / kLanes];
+};
+struct IntTable32 {
+  VI part[32 / kLanes];
+};
+
+inline Table LoadTable(const float* p) {
+  Table t;
+  std::memcpy(t.part, p, sizeof(t.part));
+  return t;
+}
+
+// t[index], index in [0, 16) (in [0, 32) for IntTable32).
+#if OPTAX4BIT_ROWS_AVX2
+// Two 8-entry permutes, blended on the index's bit 3 (moved to the sign bit).
+inline __m256 Lookup8x2(__m256 lo, __m256 hi, __m256i index) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, index),
+                          _mm256_permutevar8x32_ps(hi, index),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+}
+
+inline VF Lookup(const Table& t, VI index) {
+  return (VF)Lookup8x2((__m256)t.part[0], (__m256)t.part[1], (__m256i)index);
+}
+
+inline VI Lookup(const IntTable32& t, VI index) {
+  const __m256i i = (__m256i)index;
+  const __m256 lo = Lookup8x2((__m256)t.part[0], (__m256)t.part[1], i);
+  const __m256 hi = Lookup8x2((__m256)t.part[2], (__m256)t.part[3], i);
+  return (VI)_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i, 27)));
+}
+#else
+inline VF Lookup(const Table& t, VI index) { return __builtin_shuffle(t.part[0], index); }
+inline VI Lookup(const IntTable32& t, VI index) {
+  return __builtin_shuffle(t.part[0], t.part[1], index);
+}
+#endif
+
+// a * b + c rounded once, as XLA's CPU backend contracts a multiply feeding an
+// add (LLVM fuses the add's first operand when both are products). GCC
+// vectorizes these into FMA instructions in the ISA paths that have them.
+inline float MulAdd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline VF MulAddV(VF a, VF b, VF c) {
+  // By intrinsics: GCC's vectorizing of a lane loop (the baseline's way) is
+  // fragile and falls back to scalar code in some callers.
+#if OPTAX4BIT_ROWS_AVX512
+  return (VF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  float x[kLanes], y[kLanes], z[kLanes];
+  std::memcpy(x, &a, sizeof(x));
+  std::memcpy(y, &b, sizeof(y));
+  std::memcpy(z, &c, sizeof(z));
+  for (int k = 0; k < kLanes; ++k) x[k] = __builtin_fmaf(x[k], y[k], z[k]);
+  return LoadV(x);
+#endif
+}
+
+// Row kernels. A row of d = 2h elements is split into its even and odd
+// elements (the low and high nibbles of the packed code bytes): x[0, h) holds
+// the even elements, x[h, 2h) the odd ones.
+
+// New first moment (1 - b1) g + b1 m of one row; entries by table permutes.
+void NewFirstMoment(int64_t h, const float* __restrict g,
+                    const uint8_t* __restrict codes,
+                    const float* __restrict block_scales,
+                    const float* __restrict m_table, float b1, float one_minus_b1,
+                    float* __restrict m) {
+  const Table table = LoadTable(m_table);
+  for (int64_t b = 0; b < h / kBlockBytes; ++b) {
+    const float s = block_scales[b];
+    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += kLanes) {
+      const VI byte = LoadCodes(codes + j);
+      const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
+      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      const VF de_even = Lookup(table, byte & 15);
+      const VF de_odd = Lookup(table, byte >> 4);
+      StoreV(m + j, MulAddV(VF{} + one_minus_b1, ge, b1 * (de_even * s)));
+      StoreV(m + h + j, MulAddV(VF{} + one_minus_b1, go, b1 * (de_odd * s)));
+    }
+  }
+}
+
+// New second moment (1 - b2) g^2 + b2 v of one row; the rank-1 scale is
+// min(row max, column max); entries by table permutes (Linear's too: its
+// entries (k + 1) / 16 are exact, and the permutes beat GCC's vectorizing of
+// the closed form).
+void NewSecondMoment(int64_t h, const float* __restrict g, const uint8_t* __restrict codes,
+                     float row_scale, const float* __restrict col_even,
+                     const float* __restrict col_odd, const float* __restrict v_table, float b2,
+                     float one_minus_b2, float* __restrict v) {
+  const Table table = LoadTable(v_table);
+  const VF row = VF{} + row_scale;
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VI byte = LoadCodes(codes + j);
+    const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
+    const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+    const VF ce = LoadV(col_even + j), co = LoadV(col_odd + j);
+    const VF se = row < ce ? row : ce, so = row < co ? row : co;
+    const VF c = VF{} + one_minus_b2;
+    StoreV(v + j, MulAddV(c, ge * ge, b2 * (Lookup(table, byte & 15) * se)));
+    StoreV(v + h + j, MulAddV(c, go * go, b2 * (Lookup(table, byte >> 4) * so)));
+  }
+}
+
+// |x| as bits, 0 where x is not finite, lane by lane: non-negative floats
+// order like their bits.
+inline VU FiniteAbsBits(VF x) {
+  const VU u = (VU)x & 0x7fffffffu;
+  return u < 0x7f800000u ? u : 0u;
+}
+
+inline VU MaxV(VU a, VU b) { return a > b ? a : b; }
+
+inline uint32_t HorizontalMax(VU x) {
+  uint32_t r = 0;
+  for (int k = 0; k < kLanes; ++k) r = x[k] > r ? x[k] : r;
+  return r;
+}
+
+// Maxima of finite |v| of one row into the row scale and the running column
+// maxima (as bits).
+void SecondMomentMaxima(int64_t h, const float* __restrict v, float* __restrict row,
+                        uint32_t* __restrict col_even,
+                        uint32_t* __restrict col_odd) {
+  VU r = {};
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VU e = FiniteAbsBits(LoadV(v + j)), o = FiniteAbsBits(LoadV(v + h + j));
+    r = MaxV(r, MaxV(e, o));
+    VU ce, co;
+    std::memcpy(&ce, col_even + j, sizeof(ce));
+    std::memcpy(&co, col_odd + j, sizeof(co));
+    ce = MaxV(ce, e);
+    co = MaxV(co, o);
+    std::memcpy(col_even + j, &ce, sizeof(ce));
+    std::memcpy(col_odd + j, &co, sizeof(co));
+  }
+  *row = FromBits(HorizontalMax(r));
+}
+
+// v / c2, the correctly rounded quotient XLA's division gives, without a
+// division (the update is bound by the divider): with r = RN(1 / c2) and
+// q0 = RN(v r), Markstein's correction RN(q0 + (v - c2 q0) r), two FMAs, is
+// RN(v / c2) when nothing underflows or overflows: for q0 in [2**-40, 2**100]
+// or 0 and c2 >= 2**-40 (then v - c2 q0 is exact and normal or 0; checked
+// against the division on all float32 significands for a dozen c2). Elsewhere
+// `unsafe` is set and the caller divides.
+inline float VOverC2(float v, float c2, float r, int& unsafe) {
+  const float q0 = v * r;
+  unsafe |= !((q0 >= 0x1p-40f && q0 <= 0x1p100f) || q0 == 0.0f);
+  return __builtin_fmaf(__builtin_fmaf(-q0, c2, v), r, q0);
+}
+
+inline bool C2AllowsMarkstein(float c2) { return c2 >= 0x1p-40f && c2 <= 1.0f; }
+
+// The Adam update m_hat / (sqrt(v_hat + eps_root) + eps), in the form XLA
+// compiles the jnp reference to: m / (c1 * (sqrt(v / c2 + eps_root) + eps))
+// (XLA's algebraic simplifier turns (a / b) / c into a / (b * c)).
+template <bool kDivide>
+__attribute__((always_inline)) inline int UpdateT(int64_t h, const float* __restrict m,
+                                                  const float* __restrict v,
+                                                  const Coefficients& c, float r,
+                                                  float* __restrict out) {
+  int unsafe = 0;
+  for (int64_t j = 0; j < h; ++j) {
+    const float ve = kDivide ? v[j] / c.c2 : VOverC2(v[j], c.c2, r, unsafe);
+    const float vo = kDivide ? v[h + j] / c.c2 : VOverC2(v[h + j], c.c2, r, unsafe);
+    out[2 * j] = m[j] / (c.c1 * (std::sqrt(ve + c.eps_root) + c.eps));
+    out[2 * j + 1] = m[h + j] / (c.c1 * (std::sqrt(vo + c.eps_root) + c.eps));
+  }
+  return unsafe;
+}
+
+void Update(int64_t h, const float* __restrict m, const float* __restrict v,
+            const Coefficients& c, float* __restrict out) {
+  const float r = 1.0f / c.c2;
+  if (!C2AllowsMarkstein(c.c2) || UpdateT<false>(h, m, v, c, r, out)) {
+    UpdateT<true>(h, m, v, c, r, out);
+  }
+}
+
+// Nesterov: (b1 m / c1_next + (1 - b1) g / c1) / (sqrt(v / c2 + eps_root) + eps),
+// the first product fused into the add as XLA does.
+template <bool kDivide>
+__attribute__((always_inline)) inline int NesterovUpdateT(
+    int64_t h, const float* __restrict g, const float* __restrict m, const float* __restrict v,
+    const Coefficients& c, float r, float* __restrict out) {
+  int unsafe = 0;
+  for (int64_t j = 0; j < h; ++j) {
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t k = half * h + j, e = 2 * j + half;
+      const float v_hat = kDivide ? v[k] / c.c2 : VOverC2(v[k], c.c2, r, unsafe);
+      out[e] = MulAdd(c.one_minus_b1, g[e] / c.c1, c.b1 * (m[k] / c.c1_next)) /
+               (std::sqrt(v_hat + c.eps_root) + c.eps);
+    }
+  }
+  return unsafe;
+}
+
+void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restrict m,
+                    const float* __restrict v, const Coefficients& c,
+                    float* __restrict out) {
+  const float r = 1.0f / c.c2;
+  if (!C2AllowsMarkstein(c.c2) || NesterovUpdateT<false>(h, g, m, v, c, r, out)) {
+    NesterovUpdateT<true>(h, g, m, v, c, r, out);
+  }
+}
+
+// Binary search over 15 sorted bounds b[0..14]: the number of bounds below x
+// (x > b, or x >= b if kInclusive), by 4 compares, as
+// optax4bit.quant.maps.count_above: with b[7], then b[3] or b[11] (a blend),
+// then bounds picked by permutes (b[15] = +inf is never selected).
+struct Bounds {
+  Table b, b_plus1;  // b_plus1[k] = b[k + 1]: no index add
+  VF b3, b7, b11;
+};
+
+inline Bounds MakeBounds(const float* bounds) {
+  float b[2][kTableSize];
+  for (int k = 0; k < kTableSize; ++k) {
+    b[0][k] = k < kTableSize - 1 ? bounds[k] : INFINITY;
+    b[1][k] = k + 1 < kTableSize - 1 ? bounds[k + 1] : INFINITY;
+  }
+  return Bounds{LoadTable(b[0]), LoadTable(b[1]), VF{} + bounds[3], VF{} + bounds[7],
+                VF{} + bounds[11]};
+}
+
+template <bool kInclusive>
+__attribute__((always_inline)) inline VI CountAbove(const Bounds& t, VF x) {
+  auto above = [](VF x, VF b) { return kInclusive ? x >= b : x > b; };
+  const auto upper = above(x, t.b7);
+  VI c = upper ? VI{} + 8 : VI{};
+  c = above(x, upper ? t.b11 : t.b3) ? c + 4 : c;
+  c = above(x, Lookup(t.b_plus1, c)) ? c + 2 : c;
+  return above(x, Lookup(t.b, c)) ? c + 1 : c;
+}
+
+// optax4bit.quant.maps.mix32 lane by lane (uint32 multiplies wrap).
+inline VU Mix32(VU x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+constexpr VU kEvenIndex = (VU)kEven;
+
+// The U[0, 1) draws of maps.hashed_uniform for the elements with flat indices
+// index (mod 2**32), times 2**24: mix32(index ^ seed) >> 8, exact in float32.
+inline VF HashedUniformTimes2p24(VU index, uint32_t seed) {
+  return __builtin_convertvector((VI)(Mix32(index ^ seed) >> 8), VF);
+}
+
+// How a row of the first moment is rounded to codes: to the nearest entry
+// (the count of midpoint thresholds below n), or stochastically as
+// optax4bit.quant.maps.encode_stochastic (n clipped to the table; lower = the
+// largest k with table[k] <= n; up by one where the draw u < (n - table[lower])
+// / gap, gap = table[lower + 1] - table[lower], 0 at the top entry).
+//
+// Stochastic rounding takes a faster path where the map allows (NF's entries
+// do; DE's crowd near 0 and take the general one):
+// * lower by one lookup: split [lowest, highest] into 32 cells by a monotone
+//   function of n; where no cell holds two of table[1..15], cell_lower[c]
+//   counts those in the cells below n's cell c and one compare with the next
+//   entry settles the one c may hold;
+// * u < p as u 2**24 < (n - table[lower]) / (gap 2**-24): scaling by powers of
+//   two commutes with rounding where p is normal or 0, and it is for gaps in
+//   [2**-100, 1] (n - table[lower] is 0 or normal, subnormals being flushed).
+struct FirstMomentRounding {
+  static constexpr int kCells = 32;
+  Bounds thresholds;  // nearest: the 15 midpoint thresholds
+  Bounds entries;     // stochastic, binary search: table[1..15]
+  Table table;
+  // gap[k] = table[k + 1] - table[k] where that is > 0, else 1 (then n -
+  // table[k] is 0: only n = table[15] is left there by the clip).
+  Table gap;
+  Table gap_2m24;                  // gap 2**-24
+  Table next;                      // table[k + 1], +inf for k = 15
+  IntTable32 cell_lower;
+  float cell_scale, cell_offset;   // n's cell: trunc(n * cell_scale + cell_offset)
+  bool fast;                       // the faster stochastic path applies
+  float lowest, highest;
+  uint32_t seed;
+
+  FirstMomentRounding(const float* values, const float* midpoints, uint32_t seed_)
+      : thresholds(MakeBounds(midpoints)), entries(MakeBounds(values + 1)),
+        table(LoadTable(values)), lowest(values[0]), highest(values[kTableSize - 1]),
+        seed(seed_) {
+    float gaps[kTableSize], gaps_2m24[kTableSize], nexts[kTableSize];
+    for (int k = 0; k < kTableSize; ++k) {
+      const float gap_k = values[std::min<int>(k + 1, kTableSize - 1)] - values[k];
+      gaps[k] = gap_k > 0.0f ? gap_k : 1.0f;
+      gaps_2m24[k] = gaps[k] * 0x1p-24f;
+      nexts[k] = k + 1 < kTableSize ? values[k + 1] : INFINITY;
+    }
+    gap = LoadTable(gaps);
+    gap_2m24 = LoadTable(gaps_2m24);
+    next = LoadTable(nexts);
+    cell_scale = (kCells - 0.5f) / (highest - lowest);
+    cell_offset = -lowest * cell_scale;
+    // Every clipped n lands in [0, kCells), each cell holds one entry at most.
+    fast = std::isfinite(cell_scale) && cell_scale > 0.0f && Cell(lowest) > -1.0f &&
+           Cell(highest) < kCells;
+    for (int k = 0; k < kTableSize; ++k) fast &= gaps[k] >= 0x1p-100f && gaps[k] <= 1.0f;
+    int32_t cell_lowers[kCells] = {};
+    for (int c = 0, count = 0; c < kCells && fast; ++c) {
+      cell_lowers[c] = count;
+      while (count < kTableSize - 1 && (int)Cell(values[count + 1]) <= c) ++count;
+      fast = count - cell_lowers[c] <= 1;
+    }
+    std::memcpy(cell_lower.part, cell_lowers, sizeof(cell_lowers));
+  }
+
+  float Cell(float n) const { return MulAdd(n, cell_scale, cell_offset); }
+
+  template <bool kStochastic, bool kFast>
+  __attribute__((always_inline)) VI Codes(VF n, VU index) const {
+    if constexpr (!kStochastic) {
+      return CountAbove<false>(thresholds, n);
+    } else {
+      n = n > lowest ? n : lowest;
+      n = n < highest ? n : highest;
+      const VF u_2p24 = HashedUniformTimes2p24(index, seed);
+      if constexpr (kFast) {
+        const VI cell = __builtin_convertvector(
+            MulAddV(n, VF{} + cell_scale, VF{} + cell_offset), VI);
+        VI lower = Lookup(cell_lower, cell);
+        lower = n >= Lookup(next, lower) ? lower + 1 : lower;
+        const VF p_2p24 =
+            (n - Lookup(table, lower)) / Lookup(gap_2m24, lower);
+        return u_2p24 < p_2p24 ? lower + 1 : lower;
+      } else {
+        const VI lower = CountAbove<true>(entries, n);
+        const VF probability =
+            (n - Lookup(table, lower)) / Lookup(gap, lower);
+        return u_2p24 * 0x1p-24f < probability ? lower + 1 : lower;
+      }
+    }
+  }
+};
+
+// B128 codes of one row of m: block maxima, then the codes of the normalized
+// values. row_index: the flat index (mod 2**32) of the row's first element
+// in the leaf, for stochastic rounding's draws.
+template <bool kStochastic, bool kFast>
+__attribute__((always_inline)) inline void EncodeFirstMomentT(
+    int64_t h, const float* __restrict m, const FirstMomentRounding& shared_rounding,
+    uint32_t row_index, float* __restrict block_scales, uint8_t* __restrict codes) {
+  // Blocks in groups of 16: the maxima, then their reciprocals, then the
+  // codes, so that no block waits on its own division.
+  constexpr int64_t kGroup = 16;
+  // A copy the code stores cannot alias: it stays in registers.
+  const FirstMomentRounding rounding = shared_rounding;
+  const int64_t blocks = h / kBlockBytes;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
+    const int64_t n = std::min(kGroup, blocks - b0);
+    float inverse[kGroup];
+    for (int64_t b = 0; b < n; ++b) {
+      const float* mb = m + (b0 + b) * kBlockBytes;
+      VU s = {};
+      for (int64_t j = 0; j < kBlockBytes; j += kLanes) {
+        s = MaxV(s, MaxV(FiniteAbsBits(LoadV(mb + j)), FiniteAbsBits(LoadV(mb + h + j))));
+      }
+      block_scales[b0 + b] = FromBits(HorizontalMax(s));
+    }
+    for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
+    for (int64_t b = 0; b < n; ++b) {
+      for (int64_t j = (b0 + b) * kBlockBytes; j < (b0 + b + 1) * kBlockBytes; j += kLanes) {
+        VF xe = (LoadV(m + j) * inverse[b]) * 0.25f;
+        VF xo = (LoadV(m + h + j) * inverse[b]) * 0.25f;
+        xe = xe == xe ? xe : 0.0f;
+        xo = xo == xo ? xo : 0.0f;
+        const VU even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
+        StoreCodes(codes + j, rounding.Codes<kStochastic, kFast>(xe, even_index) |
+                                    (rounding.Codes<kStochastic, kFast>(xo, even_index + 1)
+                                     << 4));
+      }
+    }
+  }
+}
+
+void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
+                       const FirstMomentRounding& rounding, uint32_t row_index,
+                       float* __restrict block_scales, uint8_t* __restrict codes) {
+  if (!stochastic) {
+    EncodeFirstMomentT<false, false>(h, m, rounding, row_index, block_scales, codes);
+  } else if (rounding.fast) {
+    EncodeFirstMomentT<true, true>(h, m, rounding, row_index, block_scales, codes);
+  } else {
+    EncodeFirstMomentT<true, false>(h, m, rounding, row_index, block_scales, codes);
+  }
+}
+
+// Rank-1 codes of one row of v, nearest rounding.
+//
+// Linear (a closed form): ceil(16 n - 1.5) clamped to [0, 15], n = v *
+// max(4 / row scale, 4 / column scale) / 4, NaN read as 0. The inverses come
+// times 4 (inverse16): 16 n = v * inverse16 exactly, as scaling by a power of
+// two commutes with rounding. NaN fails y > 0 and gets level 0 as 0 does.
+// Clamping before the ceiling gives the same level and keeps the float -> int
+// conversion in range; ceil(y) = trunc(y) + (trunc(y) < y).
+//
+// Other maps: n = (v * max(4 / row scale, 4 / column scale)) * 0.25 (the
+// inverses come times 4: inverse4), NaN read as 0, then the number of the 15
+// thresholds below n, all positive normal numbers: n > t exactly when y =
+// v * inverse4 > 4 t (a NaN y, which n reads as 0, is above none of them,
+// and a y whose quarter is subnormal is below all), so thresholds4 holds 4 t.
+template <bool kLinear>
+__attribute__((always_inline)) inline void EncodeSecondMomentT(
+    int64_t h, const float* __restrict v, float row_inverse, const float* __restrict col_even,
+    const float* __restrict col_odd, const Bounds& thresholds4, uint8_t* __restrict codes) {
+  auto levels = [row_inverse, &thresholds4](VF x, VF col_inverse) {
+    const VF inverse = col_inverse > row_inverse ? col_inverse : row_inverse;
+    if constexpr (kLinear) {
+      VF y = x * inverse - 1.5f;
+      y = y > 0.0f ? y : 0.0f;
+      y = y < 15.0f ? y : 15.0f;
+      const VI t = __builtin_convertvector(y, VI);
+      return t + ((__builtin_convertvector(t, VF) < y) & 1);
+    } else {
+      return CountAbove<false>(thresholds4, x * inverse);
+    }
+  };
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VI even = levels(LoadV(v + j), LoadV(col_even + j));
+    const VI odd = levels(LoadV(v + h + j), LoadV(col_odd + j));
+    StoreCodes(codes + j, even | (odd << 4));
+  }
+}
+
+// row_inverse, col_*: inverse16 for Linear, inverse4 for the other maps.
+void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
+                        float row_inverse, const float* __restrict col_even,
+                        const float* __restrict col_odd, const Bounds& thresholds4,
+                        uint8_t* __restrict codes) {
+  if (linear) {
+    EncodeSecondMomentT<true>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
+  } else {
+    EncodeSecondMomentT<false>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
+  }
+}
+
+// Rows [lo, hi) of Adam4bitStats: the new second moment (in v, d floats of
+// scratch) and its maxima, the column maxima as bits into col_max (d).
+void StatsRows(const StatsRowsArgs& a, int64_t lo, int64_t hi, float* v, uint32_t* col_max) {
+  const int64_t h = a.h, d = 2 * h;
+  for (int64_t i = lo; i < hi; ++i) {
+    NewSecondMoment(h, a.g + i * d, a.codes + i * h, a.row_scales[i], a.col_even,
+                    a.col_odd, a.v_table, a.c.b2, a.c.one_minus_b2, v);
+    SecondMomentMaxima(h, v, a.new_rows + i, col_max, col_max + h);
+  }
+}
+
+// Rows [lo, hi) of Adam4bitApply; scratch: 3d floats.
+void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
+  const int64_t h = a.h, d = 2 * h, blocks = h / kBlockBytes;
+  const Coefficients& c = a.c;
+  const FirstMomentRounding m_rounding(a.m_table, a.m_table + kTableSize, a.m_seed);
+  const Bounds v_thresholds4 = MakeBounds(a.v_thresholds4);
+  float* m = scratch;
+  float* v = m + d;
+  float* work = v + d;
+  for (int64_t i = lo; i < hi; ++i) {
+    // The update overwrites the gradient row (aliased): read it first.
+    const float* g_row = a.g + i * d;
+    float* out = a.out + i * d;
+    NewFirstMoment(h, g_row, a.m_codes + i * h, a.m_scales + i * blocks, a.m_table, c.b1,
+                   c.one_minus_b1, m);
+    NewSecondMoment(h, g_row, a.v_codes + i * h, a.row_scales[i], a.col_even,
+                    a.col_odd, a.v_table, c.b2, c.one_minus_b2, v);
+    if (a.nesterov) {
+      std::memcpy(work, g_row, d * sizeof(float));
+      NesterovUpdate(h, work, m, v, c, out);
+    } else {
+      Update(h, m, v, c, out);
+    }
+    // Flat element indices wrap modulo 2**32, as maps.hashed_uniform's.
+    EncodeFirstMoment(a.m_stochastic, h, m, m_rounding, a.row_base[i],
+                      a.m_scales_out + i * blocks, a.m_out + i * h);
+    EncodeSecondMoment(a.v_linear, h, v, InverseTimes4(a.new_row_scales[i]) * a.inverse_factor,
+                       a.inv_col_even, a.inv_col_odd, v_thresholds4, a.v_out + i * h);
+  }
+}
