@@ -75,7 +75,7 @@ def adam_4bit(
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
       compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
-      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
 
@@ -155,7 +155,7 @@ def adamw_4bit(
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
       compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
-      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
 
@@ -229,7 +229,7 @@ def adamw_4bit_factor(
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
       compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
-      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
 
@@ -298,7 +298,7 @@ def adamw_8bit(
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
       compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
-      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
 
@@ -347,7 +347,7 @@ def sgdm_4bit(
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
       compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
-      beats the jnp path (AVX-512), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
 

@@ -196,7 +196,7 @@ def scale_by_adam_4bit(
       of rows, bounding the transient memory of the update (default 2**18).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
       the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
-      installed and beats the jnp path (AVX-512); the jnp reference elsewhere), ``"jnp"``,
+      installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
       ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
       interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
       see `optax4bit.dispatch`. Leaves the kernels do not cover
@@ -333,7 +333,7 @@ def scale_by_factored_adam_4bit(
       of rows, bounding the transient memory of the update (default 2**18).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
       the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
-      installed and beats the jnp path (AVX-512); the jnp reference elsewhere), ``"jnp"``,
+      installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
       ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
       interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
       see `optax4bit.dispatch`. Leaves the kernels do not cover
@@ -441,7 +441,7 @@ def scale_by_momentum_4bit(
       of rows, bounding the transient memory of the update (default 2**18).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
       the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
-      installed and beats the jnp path (AVX-512); the jnp reference elsewhere), ``"jnp"``,
+      installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
       ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
       interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
       see `optax4bit.dispatch`. Leaves the kernels do not cover
