@@ -3,7 +3,10 @@
 Every optimizer of the library takes ``implementation=``:
 
 * ``"auto"`` (default): the Pallas kernels on a CUDA GPU backend
-  (``jax.default_backend() == "gpu"``, not ROCm); on the CPU backend the
+  (``jax.default_backend() == "gpu"``, not ROCm) where they compile: once per
+  process and compute capability, the fused `adamw_4bit` steps of both
+  recipes are compiled for the default device, and if that fails ``auto``
+  runs the jnp reference and logs one line saying why; on the CPU backend the
   compiled C++ kernel of `optax4bit.cpu` where it is installed and faster than
   the jnp path (its AVX-512 build; 4-bit AdamW only, everything else runs the
   jnp reference); the jnp reference elsewhere.
@@ -38,6 +41,8 @@ are local, rank-1 and tensor statistics are reduced with a cross-shard
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from typing import Optional, Sequence, Union
 
@@ -57,6 +62,8 @@ __all__ = ["IMPLEMENTATIONS", "PallasConfig", "FusedSteps", "check_implementatio
            "fused_steps", "resolve"]
 
 IMPLEMENTATIONS = ("auto", "jnp", "cpu", "pallas", "pallas_interpret")
+
+_LOG = logging.getLogger(__name__)
 
 
 def _check_power_of_two(name: str, value) -> None:
@@ -121,6 +128,39 @@ def _on_cuda() -> bool:
   return "rocm" not in version and "hip" not in version
 
 
+def _compute_capability() -> str:
+  """The default device's compute capability, e.g. ``"8.0"``."""
+  return str(getattr(jax.devices()[0], "compute_capability", "unknown"))
+
+
+def _compile_probe() -> None:
+  """Compiles the fused `adamw_4bit` step of both recipes on a small ragged
+  leaf for the default device (their kernels include every kind of pass:
+  local and rank-1 encodes, nearest and stochastic rounding); raises what
+  XLA's Triton or ptxas raise."""
+  from optax4bit import alias  # pylint: disable=import-outside-toplevel  (alias imports us)
+  params = {"w": jax.ShapeDtypeStruct((3, 301), jnp.float32)}
+  for recipe in ("default", "paper"):
+    tx = alias.adamw_4bit(1e-3, recipe=recipe, min_quantize_size=0, implementation="pallas")
+    state = jax.eval_shape(tx.init, params)
+    jax.jit(tx.update).lower(params, state, params).compile()
+
+
+@functools.cache
+def _kernels_compile(capability: str) -> bool:
+  """Whether the Pallas kernels compile on this GPU (once per process and
+  compute capability: compiling costs seconds)."""
+  try:
+    _compile_probe()
+  except Exception as e:  # pylint: disable=broad-except  (any compiler failure)
+    reason = (str(e).strip().splitlines() or [""])[0][:300]
+    _LOG.warning("optax4bit: implementation='auto' runs the jnp path on this GPU (compute "
+                 "capability %s): the Pallas kernels do not compile (%s: %s)", capability,
+                 type(e).__name__, reason)
+    return False
+  return True
+
+
 def resolve(implementation: Implementation) -> Optional[PallasConfig]:
   """The `PallasConfig` to use, or None for the jnp reference.
 
@@ -133,7 +173,7 @@ def resolve(implementation: Implementation) -> Optional[PallasConfig]:
   if isinstance(implementation, PallasConfig):
     return implementation
   if implementation == "auto":
-    return PallasConfig() if _on_cuda() else None
+    return PallasConfig() if _on_cuda() and _kernels_compile(_compute_capability()) else None
   if implementation in ("jnp", "cpu"):
     return None
   return PallasConfig(interpret=implementation == "pallas_interpret")
