@@ -66,12 +66,16 @@ from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.packing import packed_length
 from optax4bit.quant.spec import QuantSpec
 
-# Bytes of codes per tile (each byte is two elements): 2048 bytes = 4096
-# elements per program. Tunable with `PallasConfig.tile_bytes`.
-DEFAULT_TILE_BYTES = 2048
+# Bytes of codes per tile (each byte is two elements) and warps per program:
+# 1024 bytes = 2048 elements over 8 warps, 8 elements per thread. Chosen by
+# ptxas -v (benchmarks/gpu_compile.py): with 32 per thread (2048 bytes, 4
+# warps) the fused steps need up to 255 registers; with 8, at most 108 (>= 25%
+# occupancy). 4 per thread would leave many kernels at 64 registers, where
+# ptxas starts to spill. Tunable with `PallasConfig`.
+DEFAULT_TILE_BYTES = 1024
 # Segment width (bytes) when no moment is block-wise local.
 DEFAULT_SEGMENT_BYTES = 64
-DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_WARPS = 8
 
 
 def _pallas():
@@ -383,9 +387,13 @@ def encode_stochastic(n, uniform, spec: QuantSpec, div=jnp.divide):
   table = maps.qmap(spec.mapping, spec.bits, spec.signed)
   n = jnp.clip(n, table[0], table[-1])
   lower = maps.count_above(n, table[1:], inclusive=True)  # largest k with table[k] <= n
-  upper = jnp.minimum(lower + 1, table.size - 1)
   low_value = maps.decode(lower, spec.mapping, spec.bits, spec.signed)
-  gap = maps.decode(upper, spec.mapping, spec.bits, spec.signed) - low_value
+  # ``decode(upper) - low_value`` as one table of float32 differences (the
+  # same correctly rounded values): one select tree fewer per element keeps
+  # the fused steps within ptxas's register targets.
+  gaps = np.append(np.diff(table), np.float32(0))
+  gap = maps._select_by_bits([(lower & (1 << (spec.bits - 1 - level))) != 0  # pylint: disable=protected-access
+                              for level in range(spec.bits)], list(gaps))
   round_up_probability = jnp.where(gap > 0, div(n - low_value, jnp.where(gap > 0, gap, 1)), 0)
   return lower + (uniform < round_up_probability).astype(jnp.int32)
 
@@ -461,7 +469,7 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
     if base_ref is not None:  # a shard of a larger leaf
       row_index = _load(base_ref, row_1, valid_row)
     else:
-      row_index = row.astype(jnp.uint32) * np.uint32(geo.cols % 2**32)
+      row_index = row_1.astype(jnp.uint32) * np.uint32(geo.cols % 2**32)
     return tuple(hashed_uniform(seed, row_index + c.astype(jnp.uint32)) for c in cols)
 
   def row_index(fmt: Format):
