@@ -133,7 +133,7 @@ class KernelCompileError(RuntimeError):
 
 
 def _quantize(spec):
-  key = jax.random.key(0) if getattr(spec, "stochastic", False) else None  # names: nearest
+  key = jax.random.key(0) if getattr(spec, "stochastic", False) else None  # a name: nearest
   return lambda dtype, shape: (lambda x: pallas.quantize(x, spec, key=key),
                                (jax.ShapeDtypeStruct(shape, dtype),))
 

@@ -69,9 +69,9 @@ from optax4bit.quant.spec import QuantSpec
 # Bytes of codes per tile (each byte is two elements) and warps per program:
 # 1024 bytes = 2048 elements over 8 warps, 8 elements per thread. Chosen by
 # ptxas -v (benchmarks/gpu_compile.py): with 32 per thread (2048 bytes, 4
-# warps) the fused steps need up to 255 registers; with 8, at most 108 (>= 25%
-# occupancy). 4 per thread would leave many kernels at 64 registers, where
-# ptxas starts to spill. Tunable with `PallasConfig`.
+# warps) the fused steps need up to 255 registers; with 8, at most 112 (>= 25%
+# occupancy on sm_80/sm_90a). 4 per thread would leave many kernels at 64
+# registers, where ptxas starts to spill. Tunable with `PallasConfig`.
 DEFAULT_TILE_BYTES = 1024
 # Segment width (bytes) when no moment is block-wise local.
 DEFAULT_SEGMENT_BYTES = 64
@@ -382,18 +382,19 @@ def hashed_uniform(seed, index):
 
 
 def encode_stochastic(n, uniform, spec: QuantSpec, div=jnp.divide):
-  """`optax4bit.quant.maps.encode_stochastic`, operation by operation, with
-  the division taken by ``div`` (correctly rounded on the GPU)."""
+  """`optax4bit.quant.maps.encode_stochastic`, operation by operation (the
+  gap to the next entry read from a table of the same float32 differences),
+  with the division taken by ``div`` (correctly rounded on the GPU)."""
   table = maps.qmap(spec.mapping, spec.bits, spec.signed)
   n = jnp.clip(n, table[0], table[-1])
   lower = maps.count_above(n, table[1:], inclusive=True)  # largest k with table[k] <= n
   low_value = maps.decode(lower, spec.mapping, spec.bits, spec.signed)
-  # ``decode(upper) - low_value`` as one table of float32 differences (the
+  # ``decode(upper) - low_value`` from one table of float32 differences (the
   # same correctly rounded values): one select tree fewer per element keeps
   # the fused steps within ptxas's register targets.
   gaps = np.append(np.diff(table), np.float32(0))
-  gap = maps._select_by_bits([(lower & (1 << (spec.bits - 1 - level))) != 0  # pylint: disable=protected-access
-                              for level in range(spec.bits)], list(gaps))
+  decided = [(lower & (1 << (spec.bits - 1 - level))) != 0 for level in range(spec.bits)]
+  gap = maps._select_by_bits(decided, list(gaps))  # pylint: disable=protected-access
   round_up_probability = jnp.where(gap > 0, div(n - low_value, jnp.where(gap > 0, gap, 1)), 0)
   return lower + (uniform < round_up_probability).astype(jnp.int32)
 
