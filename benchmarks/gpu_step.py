@@ -1,5 +1,9 @@
 """GPU optimizer step: fused Pallas kernels against the jnp path and optax.adamw.
 
+0. Runs the compile check of ``benchmarks/gpu_compile.py``: every Pallas
+   kernel through PyPI Triton's ptxas for sm_75/80/89/90a, failing on a
+   compile error, a spill or more than 128 registers per thread (skipped,
+   with a message, without the ``gpu-check`` extra; ``--skip-compile-check``).
 1. Checks that ``implementation="pallas"`` matches ``implementation="jnp"`` on
    the GPU (small GPT-like tree plus ragged leaves, float32 and bfloat16):
    teacher-forced steps from the same state (fraction of differing 4-bit
@@ -39,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import gpu_compile  # benchmarks/, next to this script
 import optax4bit
 from optax4bit.quant import packing
 from optax4bit.quant.array import QuantizedArray
@@ -225,6 +230,7 @@ def main(argv=None) -> int:
                       choices=["float32", "bfloat16"])
   parser.add_argument("--steps", type=int, default=50, help="timed steps (>= 50)")
   parser.add_argument("--skip-check", action="store_true")
+  parser.add_argument("--skip-compile-check", action="store_true")
   parser.add_argument("--json", help="also write all results to this file")
   parser.add_argument("--cpu-dry-run", action="store_true",
                       help="exercise the script on the CPU (interpret mode, tiny shapes)")
@@ -244,6 +250,13 @@ def main(argv=None) -> int:
   results = dict(device=device.device_kind, jax=jax.__version__, checks=[], timings=[])
 
   failed = False
+  if not args.skip_compile_check:
+    print("\n## Every kernel through ptxas (benchmarks/gpu_compile.py)")
+    # The dry run compiles one case for one architecture, to exercise this.
+    status = gpu_compile.main(["--cases", "adamw_4bit default", "--archs", "sm_80"]
+                              if dry_run else [])
+    results["compile_check"] = {0: "ok", 1: "failed", 2: "skipped: no triton"}[status]
+    failed |= status == 1
   if not args.skip_check:
     print("\n## Pallas == jnp on this GPU")
     for dtype in args.dtypes:
@@ -292,7 +305,8 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)
   if failed:
-    print("\nFAIL: the Pallas path does not match the jnp reference on this GPU (see above).")
+    print("\nFAIL: the compile check or the match of the Pallas path with the jnp reference "
+          "on this GPU (see above).")
     return 1
   return 0
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import doctest
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ import optax4bit
 from conftest import near_midpoint
 from optax4bit import pallas
 from optax4bit.pallas import PallasConfig
+from optax4bit.pallas import steps as pallas_steps
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 
@@ -304,6 +306,38 @@ def test_implementation_validation_and_auto():
   assert pallas.resolve("pallas") == PallasConfig()
   expected = PallasConfig() if jax.default_backend() == "gpu" else None
   assert pallas.resolve("auto") == expected
+
+
+def test_auto_runs_jnp_where_the_kernels_do_not_compile(monkeypatch, caplog):
+  """A CUDA GPU whose compiler rejects the kernels (mocked): ``auto`` probes
+  once per compute capability, logs one line with the reason and takes the
+  jnp path; a capability where the probe compiles gets the kernels."""
+  probes = []
+
+  def failing_probe():
+    probes.append("fail")
+    raise RuntimeError("ptxas fatal: mocked failure\nsecond line")
+
+  monkeypatch.setattr(pallas_steps, "_on_cuda", lambda: True)
+  monkeypatch.setattr(pallas_steps, "_compute_capability", lambda: "mock 8.0")
+  monkeypatch.setattr(pallas_steps, "_compile_probe", failing_probe)
+  pallas_steps._kernels_compile.cache_clear()
+  try:
+    with caplog.at_level(logging.WARNING, logger=pallas_steps.__name__):
+      assert pallas.resolve("auto") is None
+      assert pallas.resolve("auto") is None
+    assert probes == ["fail"]
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "capability mock 8.0" in message and "RuntimeError: ptxas fatal: mocked" in message
+    assert "\n" not in message
+    assert pallas.resolve("pallas") == PallasConfig()  # explicit choices are not probed
+    monkeypatch.setattr(pallas_steps, "_compute_capability", lambda: "mock 9.0")
+    monkeypatch.setattr(pallas_steps, "_compile_probe", lambda: probes.append("ok"))
+    assert pallas.resolve("auto") == PallasConfig()
+    assert probes == ["fail", "ok"]
+  finally:
+    pallas_steps._kernels_compile.cache_clear()
 
 
 def _count_pallas_calls(tx, params) -> int:

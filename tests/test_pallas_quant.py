@@ -212,10 +212,10 @@ def test_tiling_is_power_of_two_and_covers_the_leaf():
     bytes_covered = geo.grid[1] * geo.segs_per_tile * geo.seg
     assert rows_covered >= geo.rows and bytes_covered >= geo.half
     assert geo.rows_per_tile * geo.segs_per_tile * geo.seg <= _geometry.DEFAULT_TILE_BYTES
-  # A large matrix: 32 rows per tile, so the rank-1 column maxima of pass 1
-  # take 4 / 32 bytes per element, not a leaf-sized float32 buffer.
+  # A large matrix: 16 rows per tile, so the rank-1 column maxima of pass 1
+  # take 4 / 16 bytes per element, not a leaf-sized float32 buffer.
   geo = _geometry.geometry((4096, 4096), [_spec("B128/DE"), _spec("Rank-1/Linear")])
-  assert geo.tile == (32, 1, 64)
+  assert geo.tile == (16, 1, 64)
 
 
 # ----------------------------------------------------------------------------

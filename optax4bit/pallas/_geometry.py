@@ -12,13 +12,16 @@ from optax4bit.quant import normalize
 from optax4bit.quant.packing import packed_length
 from optax4bit.quant.spec import QuantSpec
 
-# Bytes of codes per tile (each byte is two elements): 2048 bytes = 4096
-# elements per program. Tunable with `PallasConfig.tile_bytes`.
-DEFAULT_TILE_BYTES = 2048
+# Bytes of codes per tile (each byte is two elements) and warps per program:
+# 1024 bytes = 2048 elements over 8 warps, 8 elements per thread. Chosen by
+# ptxas -v (benchmarks/gpu_compile.py): with 32 per thread (2048 bytes, 4
+# warps) the fused steps need up to 255 registers; with 8, at most 112 (>= 25%
+# occupancy on sm_80/sm_90a). 4 per thread would leave many kernels at 64
+# registers, where ptxas starts to spill. Tunable with `PallasConfig`.
+DEFAULT_TILE_BYTES = 1024
 # Segment width (bytes) when no moment is block-wise local.
 DEFAULT_SEGMENT_BYTES = 64
-DEFAULT_NUM_WARPS = 4
-
+DEFAULT_NUM_WARPS = 8
 
 
 class Unsupported(ValueError):

@@ -16,12 +16,18 @@ Sharded leaves (see `optax4bit.sharding`) run the kernels per shard under
 are local, rank-1 and tensor statistics are reduced with a cross-shard
 ``pmax``, so results equal the unsharded run.
 
-Which backend runs is chosen in `optax4bit.dispatch`.
+Which backend runs is chosen in `optax4bit.dispatch`. ``"auto"`` uses these
+kernels on a CUDA GPU only where they compile: once per process and compute
+capability the fused AdamW steps of both recipes are compiled for the default
+device, and if that fails ``auto`` runs the jnp reference and logs one line
+saying why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from typing import Optional, Sequence, Union
 
@@ -29,15 +35,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit import recipes
 from optax4bit import sharding as _sharding
 from optax4bit._steps import adam_coefficients, momentum_coefficients
 from optax4bit._validation import IMPLEMENTATIONS
 from optax4bit.pallas import _engine, _geometry
 from optax4bit.pallas.optim import STEPS
+from optax4bit.quant import array as qarray
 from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray
 
 __all__ = ["PallasConfig", "PallasSteps", "resolve"]
+
+_LOG = logging.getLogger(__name__)
 
 
 def _check_power_of_two(name: str, value) -> None:
@@ -86,6 +96,44 @@ def _on_cuda() -> bool:
   return "rocm" not in version and "hip" not in version
 
 
+def _compute_capability() -> str:
+  """The default device's compute capability, e.g. ``"8.0"``."""
+  return str(getattr(jax.devices()[0], "compute_capability", "unknown"))
+
+
+def _compile_probe() -> None:
+  """Compiles the fused AdamW step of both recipes on a small ragged leaf for
+  the default device (their kernels include every kind of pass: local and
+  rank-1 encodes, nearest and stochastic rounding); raises what XLA's Triton
+  or ptxas raise."""
+  shape = (3, 301)
+  for recipe in recipes.RECIPES.values():
+    moments = (qarray.zeros(shape, jnp.float32, recipe.first_moment),
+               qarray.zeros(shape, jnp.float32, recipe.second_moment))
+
+    def step(grad, moments):
+      keys = (jax.random.key(0), jax.random.key(1))
+      return PallasSteps(PallasConfig().options).adam(grad, moments, 0.9, 0.999, 1e-8, 0.0,
+                                                      jnp.int32(1), False, keys)
+
+    jax.jit(step).lower(jax.ShapeDtypeStruct(shape, jnp.float32), moments).compile()
+
+
+@functools.cache
+def _kernels_compile(capability: str) -> bool:
+  """Whether the Pallas kernels compile on this GPU (once per process and
+  compute capability: compiling costs seconds)."""
+  try:
+    _compile_probe()
+  except Exception as e:  # pylint: disable=broad-except  (any compiler failure)
+    reason = (str(e).strip().splitlines() or [""])[0][:300]
+    _LOG.warning("optax4bit: implementation='auto' runs the jnp path on this GPU (compute "
+                 "capability %s): the Pallas kernels do not compile (%s: %s)", capability,
+                 type(e).__name__, reason)
+    return False
+  return True
+
+
 def resolve(implementation: Union[str, PallasConfig]) -> Optional[PallasConfig]:
   """The `PallasConfig` to use, or None for the jnp reference.
 
@@ -97,7 +145,7 @@ def resolve(implementation: Union[str, PallasConfig]) -> Optional[PallasConfig]:
   if isinstance(implementation, PallasConfig):
     return implementation
   if implementation == "auto":
-    return PallasConfig() if _on_cuda() else None
+    return PallasConfig() if _on_cuda() and _kernels_compile(_compute_capability()) else None
   if implementation in ("pallas", "pallas_interpret"):
     return PallasConfig(interpret=implementation == "pallas_interpret")
   if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
