@@ -28,6 +28,7 @@ OPTIMIZERS = {
     "dadapt_adamw": (lambda: contrib.dadapt_adamw(1.0), None),
     "mechanize(adam)": (lambda: contrib.mechanize(optax.adam(1e-3)), None),
     "momo_adam": (lambda: contrib.momo_adam(1e-2), lambda loss_fn, value: {"value": value}),
+    "sophia": (lambda: contrib.sophia(1e-3), lambda loss_fn, value: {"obj_fn": loss_fn}),
     "muon": (lambda: contrib.muon(3e-2), None),
 }
 

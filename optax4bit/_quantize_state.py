@@ -455,6 +455,16 @@ def _update_per_leaf(step: _Step, grads, param_leaves, mirror_leaves):
   return _sequential(update_leaf, inputs, shared)
 
 
+def _function_argument_problem(extra_args: dict) -> Optional[str]:
+  """A function among the extra arguments (``optax.contrib.sophia``'s
+  ``obj_fn``) takes the whole params tree: a call on one leaf cannot use it."""
+  names = sorted(k for k, v in extra_args.items() if callable(v))
+  if not names:
+    return None
+  return (f"inner is not leaf-separable: in update, the extra argument {names[0]!r} is a "
+          "function, which expects the whole parameter tree")
+
+
 def _decoded_abstract(tree):
   """``tree`` with each `QuantizedArray` replaced by the array it decodes to
   (shape and dtype only)."""
@@ -489,11 +499,12 @@ def update(config: Config, updates, state, params=None, **extra_args):
   update_names = leaf_names(updates)
   _check_update_inputs(split, grads, mirror_leaves, update_names)
   step = _Step(config, split, mirrors, count, extra_args, update_names)
-  if config.per_leaf is False or (config.per_leaf is None and _not_separable(update_problem(
-      config.inner.update, jax.tree.map(abstract_leaf, updates),
-      jax.tree.map(abstract_leaf, _decoded_abstract(state.inner_state)),
-      None if params is None else jax.tree.map(abstract_leaf, params), params_def, split,
-      extra_args))):
+  if config.per_leaf is False or (config.per_leaf is None and _not_separable(
+      _function_argument_problem(extra_args) or update_problem(
+          config.inner.update, jax.tree.map(abstract_leaf, updates),
+          jax.tree.map(abstract_leaf, _decoded_abstract(state.inner_state)),
+          None if params is None else jax.tree.map(abstract_leaf, params), params_def, split,
+          extra_args))):
     new_updates, new_state = _update_whole_tree(step, updates, params, params_def, grads,
                                                 mirror_leaves)
     return new_updates, QuantizedState(new_state, count)

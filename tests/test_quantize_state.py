@@ -393,6 +393,21 @@ def test_extra_args_reach_inner_and_its_separability_check():
   assert_trees_close(updates, expected)
 
 
+def test_a_function_argument_means_the_whole_tree():
+  """optax.contrib.sophia's update takes obj_fn(params) of the whole tree:
+  even with one leaf, a per-leaf call would hand it a bare array."""
+  params = {"w": jnp.full((64, 64), 0.1)}
+  loss = lambda p: jnp.sum(p["w"] ** 2)  # noqa: E731
+  inner = optax.contrib.sophia(1e-3)
+  tx = optax4bit.quantize_state(inner, min_quantize_size=0, recipe="paper")
+  with pytest.warns(UserWarning, match="'obj_fn' is a function"):
+    updates, _ = jax.jit(functools.partial(tx.update, obj_fn=loss))(params, tx.init(params),
+                                                                     params)
+  expected, _ = jax.jit(functools.partial(inner.update, obj_fn=loss))(
+      params, inner.init(params), params)
+  assert_trees_close(updates, expected)
+
+
 # ----------------------------------------------------------------------------
 # Memory contract and state bytes.
 
