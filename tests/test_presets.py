@@ -113,4 +113,4 @@ def test_masked_partitions_run_per_leaf():
     state = tx.init(params)
     jax.jit(tx.update)(params, state, params)
   names = sorted(q.spec.name for q in _quantized(state))
-  assert names == ["B128/DE", "B128/DE", "Rank-1/Linear"], names
+  assert names == ["B128/NF", "B128/NF", "Rank-1/SqrtDE-0"], names
