@@ -17,6 +17,7 @@ from optax4bit.alias import (
     sgdm_4bit,
 )
 from optax4bit.quant import QuantizedArray, QuantSpec, dequantize, qmap, quantize
+from optax4bit.offload import offload_state
 from optax4bit.sharding import shard_optimizer, state_partition_spec, state_shardings
 from optax4bit.transform import (
     FactoredMoment,
@@ -58,6 +59,7 @@ __all__ = [
     "diagnostics",
     "inject_hyperparams",
     "lion_4bit",
+    "offload_state",
     "qmap",
     "quantize",
     "quantize_state",
