@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = ["MEMORY_KINDS", "offload_state"]
 
@@ -24,9 +25,33 @@ MEMORY_KINDS = {"pinned_host": jax.memory.Space.Host}
 
 
 def _move(tree, space):
-  """``tree`` with every array leaf put into memory ``space``."""
+  """``tree`` with every array leaf put into memory ``space`` (inside jit)."""
   return jax.tree.map(
       lambda x: jax.device_put(x, space) if isinstance(x, jax.Array) else x, tree)
+
+
+def _to_host(tree, params, memory_kind: str):
+  """``tree`` (a fresh state) with every concrete array in ``memory_kind``.
+
+  Each array keeps its sharding. An uncommitted array (optax creates ``count``
+  with ``jnp.zeros([])``) would be committed to one device by the move, which
+  jit then refuses beside params sharded over a mesh; it is replicated over the
+  params' mesh instead.
+  """
+  meshes = [x.sharding.mesh for x in jax.tree.leaves(params)
+            if isinstance(getattr(x, "sharding", None), NamedSharding)]
+
+  def put(x):
+    if not isinstance(x, jax.Array):
+      return x
+    if isinstance(x, jax.core.Tracer):  # init under jit: no concrete sharding yet
+      return jax.device_put(x, MEMORY_KINDS[memory_kind])
+    sharding = x.sharding
+    if not x.committed and meshes:
+      sharding = NamedSharding(meshes[0], PartitionSpec())
+    return jax.device_put(x, sharding.with_memory_kind(memory_kind))
+
+  return jax.tree.map(put, tree)
 
 
 def offload_state(tx: optax.GradientTransformation,
@@ -45,6 +70,12 @@ def offload_state(tx: optax.GradientTransformation,
   factored optimizers, plain optax ones, chains), with sharded params (each
   array keeps its sharding, only its memory kind changes) and with
   ``flax.nnx.Optimizer``.
+
+  When a jitted step donates the state, donate the params too and return both
+  in the order they come in (``step(params, state, ...) -> (params, state)``):
+  JAX 0.10.2 pairs donated inputs with outputs by shape and dtype, not memory
+  kind, so a donated host array left without its own output can be paired with
+  a device output of the same shape (an update) and the run aborts.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax4bit
@@ -78,7 +109,7 @@ def offload_state(tx: optax.GradientTransformation,
   host = MEMORY_KINDS[memory_kind]
 
   def init_fn(params):
-    return _move(tx.init(params), host)
+    return _to_host(tx.init(params), params, memory_kind)
 
   def update_fn(updates, state, params=None, **extra_args):
     state = _move(state, jax.memory.Space.Device)
