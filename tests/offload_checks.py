@@ -17,6 +17,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import functools  # noqa: E402
 import json  # noqa: E402
 import traceback  # noqa: E402
+import warnings  # noqa: E402
+
+warnings.filterwarnings("error", category=DeprecationWarning)  # JAX deprecations fail the check
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -9,6 +9,7 @@ sharded case runs on 8 virtual devices in a separate process
 
 from __future__ import annotations
 
+import doctest
 import functools
 import os
 import tempfile
@@ -21,7 +22,12 @@ import pytest
 
 import optax4bit
 from optax4bit import checkpoint
+from optax4bit import offload
 from subprocess_json import TESTS, run_json
+
+# JAX deprecations are errors here (orbax's own are not ours to fix).
+pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning",
+                                        "ignore::DeprecationWarning:orbax.*")
 
 TXS = {
     "adamw_4bit": lambda: optax4bit.adamw_4bit(1e-3, weight_decay=0.1),
@@ -65,6 +71,11 @@ def _assert_bitwise(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
+
+
+def test_docstring_example():
+  result = doctest.testmod(offload, optionflags=doctest.ELLIPSIS, report=True)
+  assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.parametrize("name", sorted(TXS))
