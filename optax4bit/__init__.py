@@ -18,6 +18,7 @@ from optax4bit.alias import (
 )
 from optax4bit.presets import ademamix_4bit, lion_4bit, muon_4bit
 from optax4bit.quant import QuantizedArray, QuantSpec, dequantize, qmap, quantize
+from optax4bit.offload import offload_state
 from optax4bit.sharding import shard_optimizer, state_partition_spec, state_shardings
 from optax4bit.transform import (
     FactoredMoment,
@@ -54,6 +55,7 @@ __all__ = [
     "inject_hyperparams",
     "lion_4bit",
     "muon_4bit",
+    "offload_state",
     "qmap",
     "quantize",
     "quantize_state",

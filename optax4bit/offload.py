@@ -1,0 +1,119 @@
+"""Optimizer state kept in host memory between steps (`offload_state`).
+
+The wrapped transformation's state lives in the host memory kind
+``"pinned_host"``; each update moves the state's arrays to device memory, runs
+the inner update there and moves the new state back. Every transfer is a
+separate ``jax.device_put`` per array leaf (a `QuantizedArray`'s codes and
+scales are leaves, its static metadata is kept), so XLA's scheduler can start
+one leaf's transfer while another leaf is being updated.
+
+The state keeps the inner transformation's structure (no wrapper state):
+checkpoints written with or without offload restore into each other, and
+``optax.tree_utils`` helpers that look state fields up by name keep working.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+__all__ = ["MEMORY_KINDS", "offload_state"]
+
+# The host memory kind XLA can move to and from inside a jitted step.
+MEMORY_KINDS = {"pinned_host": jax.memory.Space.Host}
+
+
+def _move(tree, space):
+  """``tree`` with every array leaf put into memory ``space`` (inside jit)."""
+  return jax.tree.map(
+      lambda x: jax.device_put(x, space) if isinstance(x, jax.Array) else x, tree)
+
+
+def _to_host(tree, params, memory_kind: str):
+  """``tree`` (a fresh state) with every concrete array in ``memory_kind``.
+
+  Each array keeps its sharding. An uncommitted array (optax creates ``count``
+  with ``jnp.zeros([])``) would be committed to one device by the move, which
+  jit then refuses beside params sharded over a mesh; it is replicated over the
+  params' mesh instead.
+  """
+  meshes = [x.sharding.mesh for x in jax.tree.leaves(params)
+            if isinstance(getattr(x, "sharding", None), NamedSharding)]
+
+  def put(x):
+    if not isinstance(x, jax.Array):
+      return x
+    if isinstance(x, jax.core.Tracer):  # init under jit: no concrete sharding yet
+      return jax.device_put(x, MEMORY_KINDS[memory_kind])
+    sharding = x.sharding
+    if not x.committed and meshes:
+      sharding = NamedSharding(meshes[0], PartitionSpec())
+    return jax.device_put(x, sharding.with_memory_kind(memory_kind))
+
+  return jax.tree.map(put, tree)
+
+
+def offload_state(tx: optax.GradientTransformation,
+                  memory_kind: str = "pinned_host") -> optax.GradientTransformation:
+  """Keeps the optimizer state of ``tx`` in host memory between steps.
+
+  ``init`` returns ``tx``'s state with every array in ``memory_kind``; inside
+  ``update`` the state is copied to device memory one leaf at a time, ``tx``
+  updates it and the new state is copied back, so a jitted step that donates
+  the state returns it in host memory again. The arithmetic is ``tx``'s, so
+  updates and states are bitwise equal to those of ``tx`` itself. Device memory
+  holds the state only while the step runs, at the cost of moving it to the
+  device and back once per step.
+
+  Works with any ``optax.GradientTransformation`` (optax4bit's 4-bit and
+  factored optimizers, plain optax ones, chains), with sharded params (each
+  array keeps its sharding, only its memory kind changes) and with
+  ``flax.nnx.Optimizer``.
+
+  When a jitted step donates the state, donate the params too and return both
+  in the order they come in (``step(params, state, ...) -> (params, state)``):
+  JAX 0.10.2 pairs donated inputs with outputs by shape and dtype, not memory
+  kind, so a donated host array left without its own output can be paired with
+  a device output of the same shape (an update) and the run aborts.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax4bit
+    >>> tx = optax4bit.offload_state(optax4bit.adamw_4bit(1e-3))
+    >>> params = {"w": jnp.ones((256, 256))}
+    >>> state = tx.init(params)
+    >>> state[0].mu["w"].codes.sharding.memory_kind
+    'pinned_host'
+    >>> @jax.jit
+    ... def step(params, state, grads):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   return jax.tree.map(lambda p, u: p + u, params, updates), state
+    >>> params, state = step(params, state, params)
+    >>> state[0].nu["w"].scales[0].sharding.memory_kind
+    'pinned_host'
+
+  Args:
+    tx: the transformation whose state to keep in host memory.
+    memory_kind: where the state lives between steps; ``"pinned_host"``.
+
+  Returns:
+    A transformation with ``tx``'s updates and state structure.
+
+  Raises:
+    ValueError: ``memory_kind`` is not one of `MEMORY_KINDS`.
+  """
+  if memory_kind not in MEMORY_KINDS:
+    raise ValueError(f"offload_state: memory_kind must be one of {sorted(MEMORY_KINDS)} "
+                     f"(host memory that a jitted step can transfer to and from), "
+                     f"got {memory_kind!r}.")
+  host = MEMORY_KINDS[memory_kind]
+
+  def init_fn(params):
+    return _to_host(tx.init(params), params, memory_kind)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    state = _move(state, jax.memory.Space.Device)
+    updates, state = tx.update(updates, state, params, **extra_args)
+    return updates, _move(state, host)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,174 @@
+"""optax4bit.offload_state: the optimizer state lives in pinned host memory.
+
+Checked on one device: memory kinds after init and after donated jitted
+steps, bitwise equality with the same optimizer without offload, orbax
+checkpoints, ``flax.nnx.Optimizer`` and the error for a bad memory kind. The
+sharded case runs on 8 virtual devices in a separate process
+(tests/offload_checks.py).
+"""
+
+from __future__ import annotations
+
+import doctest
+import functools
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax4bit
+from optax4bit import checkpoint
+from optax4bit import offload
+from subprocess_json import TESTS, run_json
+
+# JAX deprecations are errors here (orbax's own are not ours to fix).
+pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning",
+                                        "ignore::DeprecationWarning:orbax.*")
+
+TXS = {
+    "adamw_4bit": lambda: optax4bit.adamw_4bit(1e-3, weight_decay=0.1),
+    "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3, weight_decay=0.1),
+    "optax.adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+}
+
+
+def _params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"w": jax.random.normal(k1, (256, 384)), "b": jax.random.normal(k2, (384,)),
+          "small": jnp.ones(16)}
+
+
+def _grads(step, params):
+  return jax.tree.map(
+      lambda p: jax.random.normal(jax.random.fold_in(jax.random.key(1), step), p.shape),
+      params)
+
+
+def _train(tx, steps):
+  """``steps`` donated jitted steps; returns params and state."""
+  params = _params()
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for i in range(steps):
+    params, state = step(params, state, _grads(i, params))
+  return params, state
+
+
+def _memory_kinds(tree) -> set:
+  return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def _assert_bitwise(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
+
+
+def test_docstring_example():
+  result = doctest.testmod(offload, optionflags=doctest.ELLIPSIS, report=True)
+  assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_init_puts_state_in_host_memory(name):
+  state = optax4bit.offload_state(TXS[name]()).init(_params())
+  assert _memory_kinds(state) == {"pinned_host"}
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_bitwise_equal_and_stays_on_host_after_donated_steps(name):
+  params, state = _train(optax4bit.offload_state(TXS[name]()), steps=4)
+  ref_params, ref_state = _train(TXS[name](), steps=4)
+  assert _memory_kinds(state) == {"pinned_host"}
+  assert _memory_kinds(params) == {"device"}
+  _assert_bitwise(params, ref_params)
+  _assert_bitwise(state, ref_state)
+
+
+def test_quantized_leaves_keep_metadata():
+  plain = optax4bit.adamw_4bit(1e-3).init(_params())
+  offloaded = optax4bit.offload_state(optax4bit.adamw_4bit(1e-3)).init(_params())
+  # Same treedef: QuantizedArray spec, shape and dtype are unchanged.
+  assert jax.tree.structure(offloaded) == jax.tree.structure(plain)
+  mu = offloaded[0].mu["w"]
+  assert isinstance(mu, optax4bit.QuantizedArray)
+  assert mu.codes.dtype == jnp.uint8 and mu.codes.sharding.memory_kind == "pinned_host"
+
+
+def test_unknown_memory_kind_is_an_error():
+  with pytest.raises(ValueError, match=r"memory_kind must be one of \['pinned_host'\].*'hbm'"):
+    optax4bit.offload_state(optax.adam(1e-3), memory_kind="hbm")
+
+
+def test_checkpoint_round_trip_restores_into_host_memory():
+  ocp = pytest.importorskip("orbax.checkpoint")
+  tx = optax4bit.offload_state(optax4bit.adamw_4bit(1e-3))
+  params, opt_state = _train(tx, steps=2)
+  state = {"params": params, "opt_state": opt_state}
+  with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
+    checkpoint.save(manager, 0, state)
+    manager.wait_until_finished()
+    restored = checkpoint.restore(manager, checkpoint.abstract(state))
+    # The state structure is the inner optimizer's: a checkpoint of the
+    # offloaded state restores into a target built without offload.
+    plain = checkpoint.restore(manager, checkpoint.abstract(
+        {"params": params, "opt_state": optax4bit.adamw_4bit(1e-3).init(params)}))
+  assert _memory_kinds(restored["opt_state"]) == {"pinned_host"}
+  _assert_bitwise(restored, state)
+  _assert_bitwise(plain, state)
+  # Training resumes from the restored host state.
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  _, new_state = step(restored["params"], restored["opt_state"], _grads(2, params))
+  assert _memory_kinds(new_state) == {"pinned_host"}
+
+
+def test_nnx_optimizer():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class MLP(nnx.Module):
+
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(64, 256, rngs=rngs)
+      self.l2 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(nnx.relu(self.l1(x)))
+
+  x = jax.random.normal(jax.random.key(1), (16, 64))
+  y = jax.random.randint(jax.random.key(2), (16,), 0, 10)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    grads = nnx.grad(
+        lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
+    optimizer.update(model, grads)
+
+  models = []
+  for tx in (optax4bit.offload_state(optax4bit.adamw_4bit(1e-3)), optax4bit.adamw_4bit(1e-3)):
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for _ in range(3):
+      train_step(model, optimizer)
+    models.append((model, optimizer))
+  (model, optimizer), (ref_model, _) = models
+  assert _memory_kinds(nnx.state(optimizer.opt_state)) == {"pinned_host"}
+  _assert_bitwise(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+
+
+def test_sharded_on_8_devices():
+  results = run_json(os.path.join(TESTS, "offload_checks.py"))
+  failed = {k: v for k, v in results.items() if v is not True}
+  assert not failed, failed
