@@ -116,9 +116,11 @@ def _leaf_keys(seed, count, num_leaves: int, num_moments: int, stochastic: bool)
 def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=jnp.float32, real: bool = False):
   """Zero moment of ``leaf``, sharded like it when its sharding is known
   (see `optax4bit.sharding`). A complex leaf's moment is complex (its
-  precision at least ``dtype``'s) unless ``real`` (second moments)."""
-  if spec is None and not real and jnp.iscomplexobj(leaf):
-    dtype = jnp.promote_types(leaf.dtype, dtype)
+  precision at least ``dtype``'s) unless ``real`` (second moments: real, of
+  the leaf's precision, as ``|g|**2`` is)."""
+  if spec is None and jnp.iscomplexobj(leaf):
+    dtype = jnp.promote_types(jnp.real(jnp.zeros((), leaf.dtype)).dtype if real else leaf.dtype,
+                              dtype)
   if spec is None:
     return _sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, dtype))
   return _sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), jnp.float32, spec))

@@ -245,3 +245,28 @@ def test_complex_params_train_like_optax(name):
     assert float(jnp.max(jnp.abs(jnp.imag(params[k])))) > 0.1, "imaginary part lost"
     np.testing.assert_allclose(np.asarray(params[k]), np.asarray(reference[k]), rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.fixture
+def x64():
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.mark.parametrize("name", ["adam_4bit", "adamw_4bit_factor"])
+def test_complex128_second_moment_is_float64(x64, name):  # pylint: disable=redefined-outer-name
+  """Under x64 a complex128 leaf's second moment is float64, the precision of
+  |g|**2 (a float32 one broke the chunked loop's carry types)."""
+  del x64
+  tx = getattr(optax4bit, name)(1e-3, min_quantize_size=0)
+  params = jnp.full((300,), 1 + 1j, jnp.complex128)
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(params, state, params)
+  updates, state = jax.jit(tx.update)(params, state, params)
+  assert updates.dtype == jnp.complex128 and np.all(np.isfinite(np.asarray(updates)))
+  moments = state[0]
+  assert moments.nu.dtype == jnp.float64 and moments.mu.dtype == jnp.complex128
