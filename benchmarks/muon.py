@@ -22,7 +22,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -32,26 +31,9 @@ import compare  # noqa: E402  pylint: disable=wrong-import-position
 import train_lm  # noqa: E402  pylint: disable=wrong-import-position
 
 import optax4bit  # noqa: E402  pylint: disable=wrong-import-position
+from quantize_state_contrib import least_squares  # noqa: E402  pylint: disable=wrong-import-position
 
 BLOCKS = (128, 32)
-
-
-def least_squares(tx, seed: int, steps: int = 200) -> float:
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  params = {"w": 0.02 * jax.random.normal(k1, (256, 256))}
-  target = jax.random.normal(k2, (256, 256))
-
-  def loss(p):
-    return jnp.mean((p["w"] @ target - target) ** 2)
-
-  def step(carry, _):
-    p, state = carry
-    updates, state = tx.update(jax.grad(loss)(p), state, p)
-    return (optax.apply_updates(p, updates), state), None
-
-  (params, _), _ = jax.jit(lambda c: jax.lax.scan(step, c, None, length=steps))(
-      (params, tx.init(params)))
-  return float(loss(params))
 
 
 def momentum(block: int) -> optax4bit.QuantSpec:

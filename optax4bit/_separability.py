@@ -46,6 +46,19 @@ def _open(jaxpr):
   return jaxpr.jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else jaxpr
 
 
+def _called_jaxpr(eqn):
+  """The jaxpr a call-like equation runs, if its inputs and outputs map one
+  to one onto the equation's; None otherwise (then it is treated as opaque)."""
+  for key in _CALL_PRIMITIVES.get(eqn.primitive.name, ()):
+    sub = eqn.params.get(key)
+    if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+      sub = _open(sub)
+      if len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars):
+        return sub
+      return None
+  return None
+
+
 def _propagate(jaxpr, in_deps: list) -> list:
   """For each output of ``jaxpr``, the union of the labels of the inputs it
   depends on. Calls are followed; cond is the union over branches; anything
@@ -65,14 +78,8 @@ def _propagate(jaxpr, in_deps: list) -> list:
       branches = [_open(b) for b in eqn.params["branches"]]
       per_branch = [_propagate(b, ins[1:]) for b in branches]
       outs = [ins[0].union(*col) for col in zip(*per_branch)]
-    elif name in _CALL_PRIMITIVES:
-      for key in _CALL_PRIMITIVES[name]:
-        sub = eqn.params.get(key)
-        if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-          sub = _open(sub)
-          if len(sub.invars) == len(ins) and len(sub.outvars) == len(eqn.outvars):
-            outs = _propagate(sub, ins)
-          break
+    elif (sub := _called_jaxpr(eqn)) is not None:
+      outs = _propagate(sub, ins)
     if outs is None:
       everything = _NONE.union(*ins)
       outs = [everything] * len(eqn.outvars)
@@ -205,13 +212,8 @@ def _elementwise_kinds(jaxpr, in_kinds: list) -> list:
     if worst == _SHARED:
       outs = [_SHARED] * len(eqn.outvars)
     elif name in _CALL_PRIMITIVES:
-      for key in _CALL_PRIMITIVES[name]:
-        sub = eqn.params.get(key)
-        if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-          sub = _open(sub)
-          if len(sub.invars) == len(ins) and len(sub.outvars) == len(eqn.outvars):
-            outs = _elementwise_kinds(sub, ins)
-          break
+      sub = _called_jaxpr(eqn)
+      outs = None if sub is None else _elementwise_kinds(sub, ins)
     elif name == "cond" and ins[0] == _SHARED:
       per_branch = [_elementwise_kinds(_open(b), ins[1:]) for b in eqn.params["branches"]]
       outs = [max(col) for col in zip(*per_branch)]
