@@ -31,6 +31,7 @@ shapes, to exercise it (its figures mean nothing).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -45,6 +46,7 @@ import optax
 
 import gpu_compile  # benchmarks/, next to this script
 import optax4bit
+from optax4bit.pallas import PallasConfig
 from optax4bit.quant import packing
 from optax4bit.quant.array import QuantizedArray
 
@@ -55,6 +57,7 @@ SIZES = {  # GPT-like decoders (no biases), ~100M and ~1B parameters.
     "1B": dict(vocab=32000, width=2048, depth=20),
 }
 DRY_RUN_SIZE = dict(vocab=300, width=64, depth=1)
+SWEEP_SIZE = dict(vocab=32000, width=1024, depth=2)  # ~58M: compiles faster than 100M
 PALLAS = "pallas"  # "pallas_interpret" in --cpu-dry-run
 
 
@@ -83,6 +86,8 @@ def optimizers(lr: float = 1e-3) -> dict:
       "optax.adamw": lambda: optax.adamw(lr),
       "jnp adamw_4bit": lambda: optax4bit.adamw_4bit(lr, implementation="jnp"),
       "pallas adamw_4bit": lambda: optax4bit.adamw_4bit(lr, implementation=PALLAS),
+      "pallas adamw_4bit paper recipe": lambda: optax4bit.adamw_4bit(
+          lr, recipe="paper", implementation=PALLAS),
       "pallas adamw_4bit B128/Linear v": lambda: optax4bit.adamw_4bit(
           lr, second_moment="B128/Linear", implementation=PALLAS),
       "jnp adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(lr, implementation="jnp"),
@@ -123,41 +128,50 @@ def _grads(params, i):
           for n, (k, p) in enumerate(sorted(params.items()))}
 
 
+def _check_one(name, make, params, dtype, steps: int) -> dict:
+  """Teacher-forced steps of one transformation: jnp against Pallas."""
+  tx_ref, tx_pal = make("jnp"), make(PALLAS)
+
+  @jax.jit
+  def both(state, i, tx_ref=tx_ref, tx_pal=tx_pal):
+    grads = _grads(params, i)
+    return tx_ref.update(grads, state), tx_pal.update(grads, state)
+
+  state = tx_ref.init(params)
+  codes_total = codes_differ = 0
+  worst_scale = worst_update = 0.0
+  for i in range(steps):
+    (u_ref, s_ref), (u_pal, s_pal) = both(state, i)
+    for k in params:
+      worst_update = max(worst_update, _ulps_of_max(u_ref[k], u_pal[k], dtype))
+    quantized = lambda s: [x for x in jax.tree.leaves(
+        s, is_leaf=lambda x: isinstance(x, QuantizedArray)) if isinstance(x, QuantizedArray)]
+    for a, b in zip(quantized(s_ref), quantized(s_pal)):
+      ca = np.asarray(packing.unpack(a.codes, a.shape[-1], 4))
+      cb = np.asarray(packing.unpack(b.codes, b.shape[-1], 4))
+      codes_total += ca.size
+      codes_differ += int(np.sum(ca != cb))
+      for sa, sb in zip(a.scales, b.scales):
+        worst_scale = max(worst_scale, _ulps_of_max(sa, sb, jnp.float32))
+    state = s_ref
+  fraction = codes_differ / max(codes_total, 1)
+  ok = fraction <= 1e-4 and worst_scale <= 4 and worst_update <= (
+      8 if dtype == jnp.float32 else 1)
+  return dict(check=name, dtype=jnp.dtype(dtype).name, steps=steps,
+              codes_differ_fraction=fraction, scale_ulps_of_max=worst_scale,
+              update_ulps_of_max=worst_update, ok=ok)
+
+
 def check(dtype, steps: int = 20, shapes=None, free_steps: int = 50) -> list:
   """Teacher-forced comparison, then free-running adamw_4bit steps."""
   rows = []
   params = random_tree(shapes or CHECK_SHAPES, dtype, seed=1)
   for name, make in CHECKED.items():
-    tx_ref, tx_pal = make("jnp"), make(PALLAS)
-
-    @jax.jit
-    def both(state, i, tx_ref=tx_ref, tx_pal=tx_pal):
-      grads = _grads(params, i)
-      return tx_ref.update(grads, state), tx_pal.update(grads, state)
-
-    state = tx_ref.init(params)
-    codes_total = codes_differ = 0
-    worst_scale = worst_update = 0.0
-    for i in range(steps):
-      (u_ref, s_ref), (u_pal, s_pal) = both(state, i)
-      for k in params:
-        worst_update = max(worst_update, _ulps_of_max(u_ref[k], u_pal[k], dtype))
-      quantized = lambda s: [x for x in jax.tree.leaves(
-          s, is_leaf=lambda x: isinstance(x, QuantizedArray)) if isinstance(x, QuantizedArray)]
-      for a, b in zip(quantized(s_ref), quantized(s_pal)):
-        ca = np.asarray(packing.unpack(a.codes, a.shape[-1], 4))
-        cb = np.asarray(packing.unpack(b.codes, b.shape[-1], 4))
-        codes_total += ca.size
-        codes_differ += int(np.sum(ca != cb))
-        for sa, sb in zip(a.scales, b.scales):
-          worst_scale = max(worst_scale, _ulps_of_max(sa, sb, jnp.float32))
-      state = s_ref
-    fraction = codes_differ / max(codes_total, 1)
-    ok = fraction <= 1e-4 and worst_scale <= 4 and worst_update <= (
-        8 if dtype == jnp.float32 else 1)
-    rows.append(dict(check=name, dtype=jnp.dtype(dtype).name, steps=steps,
-                     codes_differ_fraction=fraction, scale_ulps_of_max=worst_scale,
-                     update_ulps_of_max=worst_update, ok=ok))
+    try:
+      rows.append(_check_one(name, make, params, dtype, steps))
+    except Exception as e:  # pylint: disable=broad-except  (report, go on to the timings)
+      rows.append(dict(check=name, dtype=jnp.dtype(dtype).name,
+                       error=f"{type(e).__name__}: {str(e)[:300]}", ok=False))
 
   def run(implementation):
     tx = optax4bit.adamw_4bit(1e-2, min_quantize_size=0, implementation=implementation)
@@ -172,11 +186,26 @@ def check(dtype, steps: int = 20, shapes=None, free_steps: int = 50) -> list:
       p, s = step(p, s, i)
     return p
 
-  p_ref, p_pal = run("jnp"), run(PALLAS)
+  name = f"adamw_4bit {free_steps} free-running steps"
+  try:
+    p_ref, p_pal = run("jnp"), run(PALLAS)
+  except Exception as e:  # pylint: disable=broad-except
+    rows.append(dict(check=name, dtype=jnp.dtype(dtype).name,
+                     error=f"{type(e).__name__}: {str(e)[:300]}", ok=False))
+    return rows
+  # Each step's rounding differs by a few ulps between XLA's fusions and the
+  # Triton kernels, which flips a rare 4-bit code (see the teacher-forced rows);
+  # a flipped element then follows its own trajectory. Elements do not interact
+  # (the gradients do not depend on the params), so count the elements that left
+  # the reference by more than 8 ulps of their leaf's largest |param|.
   worst = max(_ulps_of_max(p_ref[k], p_pal[k], dtype) for k in params)
-  rows.append(dict(check=f"adamw_4bit {free_steps} free-running steps",
-                   dtype=jnp.dtype(dtype).name, steps=free_steps, params_ulps_of_max=worst,
-                   ok=worst <= 2))
+  diverged = sum(int(np.sum(np.abs(np.asarray(p_ref[k], np.float32) - np.asarray(
+      p_pal[k], np.float32)) > 8 * float(jnp.finfo(dtype).eps) * float(np.max(np.abs(
+          np.asarray(p_ref[k], np.float32)))))) for k in params)
+  fraction = diverged / sum(p.size for p in params.values())
+  rows.append(dict(check=name, dtype=jnp.dtype(dtype).name, steps=free_steps,
+                   params_ulps_of_max=worst, diverged_fraction=fraction,
+                   ok=fraction <= 1e-3))
   return rows
 
 
@@ -216,11 +245,47 @@ def time_step(make_tx, params, grads, steps: int) -> dict:
     return optax.apply_updates(params, updates), state
 
   fn = jax.jit(step, donate_argnums=(0, 1))
+  start = time.perf_counter()
+  fn = fn.lower(params, state).compile()
+  compile_seconds = time.perf_counter() - start
   seconds, _ = _median_time(fn, (params, state), steps)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   # At least: read grads and params, write params; read and write the state.
   moved = 3 * param_bytes + 2 * state_bytes
-  return dict(seconds=seconds, state_bytes=state_bytes, bytes_moved=moved)
+  return dict(seconds=seconds, state_bytes=state_bytes, bytes_moved=moved,
+              compile_seconds=compile_seconds)
+
+
+def sweep(steps: int, dry_run: bool) -> list:
+  """Times the Pallas steps over kernel geometries (the defaults were chosen from
+  ptxas' register counts alone)."""
+  shapes = gpt_shapes(**(DRY_RUN_SIZE if dry_run else SWEEP_SIZE))
+  num = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=_is_shape))
+  params = random_tree(shapes, jnp.float32, seed=0)
+  grads = random_tree(shapes, jnp.float32, seed=1)
+  makers = {"adamw_4bit": optax4bit.adamw_4bit, "adamw_4bit_factor": optax4bit.adamw_4bit_factor}
+  print(f"\n## Kernel geometry sweep: {num / 1e6:.0f}M params, float32, ms/step (median of "
+        f"{steps})")
+  print(f"{'tile_bytes':>10s} {'num_warps':>9s} " + " ".join(f"{n:>18s}" for n in makers))
+  adamw = time_step(lambda: optax.adamw(1e-3), params, grads, steps)["seconds"]
+  print(f"optax.adamw: {adamw * 1e3:.2f} ms/step")
+  rows = [dict(optimizer="optax.adamw", seconds=adamw)]
+  for tile_bytes in (1024, 2048, 4096, 8192):
+    for num_warps in (4, 8):
+      config = PallasConfig(interpret=dry_run, tile_bytes=tile_bytes, num_warps=num_warps)
+      row = dict(tile_bytes=tile_bytes, num_warps=num_warps)
+      for name, make in makers.items():
+        try:
+          row[name] = time_step(lambda make=make: make(1e-3, implementation=config), params,
+                                grads, steps)["seconds"]
+        except Exception as e:  # pylint: disable=broad-except  (a geometry that fails)
+          row[name] = float("nan")
+          print(f"  {name} tile_bytes={tile_bytes} num_warps={num_warps}: "
+                f"{type(e).__name__}: {str(e)[:200]}")
+      rows.append(row)
+      print(f"{tile_bytes:10d} {num_warps:9d} " + " ".join(
+          f"{row[n] * 1e3:18.2f}" for n in makers))
+  return rows
 
 
 def main(argv=None) -> int:
@@ -231,6 +296,11 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=50, help="timed steps (>= 50)")
   parser.add_argument("--skip-check", action="store_true")
   parser.add_argument("--skip-compile-check", action="store_true")
+  parser.add_argument("--sweep", action="store_true",
+                      help="first time Pallas AdamW and Factor over tile_bytes x num_warps "
+                      "(~58M float32 params)")
+  parser.add_argument("--optimizers", nargs="+", help="time only these (default: all)")
+  parser.add_argument("--skip-timing", action="store_true")
   parser.add_argument("--json", help="also write all results to this file")
   parser.add_argument("--cpu-dry-run", action="store_true",
                       help="exercise the script on the CPU (interpret mode, tiny shapes)")
@@ -269,10 +339,12 @@ def main(argv=None) -> int:
                            for k, v in row.items() if k not in ("check", "ok"))
         print(f"{'ok  ' if row['ok'] else 'FAIL'} {row['check']}: {detail}")
 
+  if args.sweep:
+    results["sweep"] = sweep(args.steps, dry_run)
   bandwidth = copy_bandwidth(args.steps, 2**24 if dry_run else GiB)
   results["copy_bandwidth_bytes_per_s"] = bandwidth
   print(f"\ndevice-to-device copy bandwidth (x + 1): {bandwidth / 1e9:.0f} GB/s")
-  for size in (["dry-run"] if dry_run else args.sizes):
+  for size in [] if args.skip_timing else ["dry-run"] if dry_run else args.sizes:
     shapes = gpt_shapes(**(DRY_RUN_SIZE if dry_run else SIZES[size]))
     num = sum(math.prod(s) for s in jax.tree.leaves(shapes, is_leaf=_is_shape))
     for dtype in args.dtypes:
@@ -284,6 +356,8 @@ def main(argv=None) -> int:
             f"{'% copy bw':>9s} {'x adamw':>8s} {'x jnp 4bit':>10s}")
       rows = {}
       for name, make in optimizers().items():
+        if args.optimizers and name not in args.optimizers:
+          continue
         try:
           row = time_step(make, params, grads, args.steps)
         except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory at 1B)
@@ -291,6 +365,8 @@ def main(argv=None) -> int:
           continue
         rows[name] = row
         results["timings"].append(dict(size=size, params=num, dtype=dtype, optimizer=name, **row))
+        print(f"  timed {name}: {row['seconds'] * 1e3:.2f} ms/step (compiled in "
+              f"{row['compile_seconds']:.1f} s)", flush=True)
       for name, row in rows.items():
         rate = row["bytes_moved"] / row["seconds"]
         vs_adamw = row["seconds"] / rows["optax.adamw"]["seconds"] if "optax.adamw" in rows else float("nan")
