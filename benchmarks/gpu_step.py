@@ -31,7 +31,6 @@ shapes, to exercise it (its figures mean nothing).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
