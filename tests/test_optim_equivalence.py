@@ -240,7 +240,8 @@ def reference_momentum(g, state, momentum=0.9, nesterov=True):
 def adam_case(first, second):
   def make(chunk):
     return optax4bit.scale_by_adam_4bit(B1, B2, EPS, first_moment=first, second_moment=second,
-                                        min_quantize_size=0, chunk_size=chunk)
+                                        min_quantize_size=0, chunk_size=chunk,
+                                        implementation="jnp")
   return make, reference_adam, ("mu", "nu")
 
 
@@ -252,7 +253,8 @@ REFERENCE_CASES = {
                                         "Tensor/Linear"),
     "momentum_nesterov": (
         lambda chunk: optax4bit.scale_by_momentum_4bit(0.9, True, recipe="paper",
-                                                       min_quantize_size=0, chunk_size=chunk),
+                                                       min_quantize_size=0, chunk_size=chunk,
+                                                       implementation="jnp"),
         reference_momentum, ("trace",)),
 }
 
@@ -309,10 +311,12 @@ def test_quantized_step_matches_whole_tensor_reference(case, chunk=CHUNK):
   assert assert_states_close(new_ref, new) >= 3
 
 
+# The chunked engine is the jnp path's (on a GPU, "auto" runs the kernels).
 @pytest.mark.parametrize("make", [
-    lambda c: optax4bit.adamw_4bit(1e-2, min_quantize_size=0, chunk_size=c),
-    lambda c: optax4bit.sgdm_4bit(1e-2, min_quantize_size=0, chunk_size=c),
-    lambda c: optax4bit.adamw_4bit_factor(1e-2, min_quantize_size=0, chunk_size=c),
+    lambda c: optax4bit.adamw_4bit(1e-2, min_quantize_size=0, chunk_size=c, implementation="jnp"),
+    lambda c: optax4bit.sgdm_4bit(1e-2, min_quantize_size=0, chunk_size=c, implementation="jnp"),
+    lambda c: optax4bit.adamw_4bit_factor(1e-2, min_quantize_size=0, chunk_size=c,
+                                          implementation="jnp"),
 ], ids=["adamw_4bit", "sgdm_4bit", "adamw_4bit_factor"])
 def test_default_recipe_chunked_matches_whole_leaf(make):
   """chunk_size 1000 against the default chunking, from the same state each

@@ -6,7 +6,8 @@
   hashed uniforms as the jnp reference, from the same key).
 * Fused optimizer steps (`optax4bit.pallas.optim`): one kernel per leaf reads
   the gradient and the packed moments and writes the update and the
-  re-quantized moments; a second pass encodes moments with rank-1 scales.
+  re-quantized moments in place; moments with rank-1 scales first take a
+  stats pass for their maxima.
 * `optax4bit.pallas.steps`: the fused steps of one leaf and `PallasConfig`;
   every optimizer takes ``implementation="pallas" | "pallas_interpret"`` or a
   `PallasConfig` (see `optax4bit.dispatch`).

@@ -20,19 +20,26 @@ How a quantized moment is normalized decides when it can be encoded:
   block. Each tile row segment is one block, so its new scale (the block
   maximum) is known inside the program: decode, step and encode in one pass.
 * ``global``: everything else (rank-1 and tensor scales, blocks of ``B / 2 >
-  S`` bytes, and blocks of ``g > 1`` whole short rows). Pass 1 runs the step,
-  writes the update and the local moments, and only writes partial maxima of
-  the new value: one per (row, segment), and for rank-1/tensor also one per
-  (row tile, column). Those small arrays are reduced with jnp into exactly the
-  scales of the jnp reference (maxima are exact, so the order of reduction
-  does not matter). Pass 2 recomputes the new value from the old codes, which
-  pass 1 did not touch, and encodes it. No float32 buffer of the leaf's size
-  exists at any time; the partial maxima cost ``4 / (2 * S)`` plus, for
-  rank-1, ``4 / BR`` bytes per element, for one leaf at a time.
+  S`` bytes, and blocks of ``g > 1`` whole short rows). A stats pass runs
+  the step first and writes nothing but partial maxima of the new value: one
+  per (row, segment), and for rank-1/tensor also one per (row tile, column).
+  Those small arrays are reduced with jnp into exactly the scales of the jnp
+  reference (maxima are exact, so the order of reduction does not matter).
+  No float32 buffer of the leaf's size exists at any time; the partial maxima
+  cost ``4 / (2 * S)`` plus, for rank-1, ``4 / BR`` bytes per element, for
+  one leaf at a time.
 
-A new moment encoded in pass 2 may depend only on the dense inputs, the side
-inputs, the coefficients and its *own* old value (pass 1 may already have
-overwritten the others). Every optimizer of this package satisfies that.
+Then the step pass runs the step again and writes the update and every new
+moment, each over the input it replaces (``input_output_aliases``: the
+update over the gradient when their dtypes match, the codes and block scales
+over the old ones; a program reads its tile before it writes it). With the
+gradient and the state donated, the step then needs no leaf-sized
+temporary; the update written into a fresh buffer while the gradient stays
+alive for a second pass would be one, which XLA:GPU does not schedule one
+leaf at a time. The stats pass reads only the old moments of the global
+moments (it sees the others as zeros), so a global moment may depend only on
+the dense inputs, the side inputs, the coefficients and its *own* old value.
+Every optimizer of this package satisfies that.
 
 Numerics follow the jnp reference operation by operation: the same decode
 (table entry times scale), the same normalization ``n = (x * (4 / scale)) *
@@ -188,7 +195,7 @@ class _Plan:
   old_read: tuple     # per old moment: whether this pass reads it (else zeros)
 
 
-def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
+def _kernel(plan: _Plan, fn: Callable, stats_pass: bool, triton: bool, *refs):
   geo = plan.geo
   it = iter(refs)
   coef_ref = next(it) if plan.num_coef else None
@@ -201,7 +208,7 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
     old_refs.append([next(it) for _ in range(count)])
   side_refs = [next(it) for _ in plan.side]
   inv_refs = []
-  if pass_two:
+  if not stats_pass:
     for fmt in plan.new:
       if not fmt.local:
         inv_refs.append([next(it) for _ in range(2 if fmt.kind == "rank1" else 1)])
@@ -284,7 +291,7 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
   row_2 = i * br + _iota((br, nbt), 0)
   seg_2 = j * nbt + _iota((br, nbt), 1)
   valid_2 = (row_2 < geo.rows) & (seg_2 < geo.num_segs)
-  if not pass_two:
+  if not stats_pass:
     for k, dtype in enumerate(plan.dense_out):
       ref = next(out_it)
       for h in range(2):
@@ -292,38 +299,38 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
   inv_it = iter(inv_refs)
   for k, fmt in enumerate(plan.new):
     values = (results[0][1][k], results[1][1][k])
-    if not pass_two:
+    if stats_pass:  # the partial maxima of the moments whose scales span tiles
+      if fmt.local:
+        continue
       absolute = [_finite_abs(values[h], valids[h]) for h in range(2)]
       seg_max = jnp.maximum(absolute[0].max(axis=2), absolute[1].max(axis=2))
-      if fmt.local:
-        codes_ref, scales_ref = next(out_it), next(out_it)
-        inverse = kmath.inverse_times_4(seg_max)[:, :, None]
-        uniform = uniforms(k, fmt)
-        codes = [_encode(values[h], inverse, fmt.spec, uniform[h], kmath.div) for h in range(2)]
-        plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
-        plgpu.store(scales_ref.at[row_2, seg_2], seg_max, mask=valid_2)
-      else:
-        plgpu.store(next(out_it).at[row_2, seg_2], seg_max, mask=valid_2)
-        if fmt.kind == "rank1":
-          col_ref = next(out_it)
-          tile_row = jnp.full((nbt, s), i, jnp.int32)
-          byte_2 = (j * nbt + _iota((nbt, s), 0)) * s + _iota((nbt, s), 1)
-          for h in range(2):
-            col_c = 2 * byte_2 + h
-            plgpu.store(col_ref.at[tile_row, col_c], absolute[h].max(axis=0),
-                        mask=col_c < geo.cols)
-    elif not fmt.local:
+      plgpu.store(next(out_it).at[row_2, seg_2], seg_max, mask=valid_2)
+      if fmt.kind == "rank1":
+        col_ref = next(out_it)
+        tile_row = jnp.full((nbt, s), i, jnp.int32)
+        byte_2 = (j * nbt + _iota((nbt, s), 0)) * s + _iota((nbt, s), 1)
+        for h in range(2):
+          col_c = 2 * byte_2 + h
+          plgpu.store(col_ref.at[tile_row, col_c], absolute[h].max(axis=0),
+                      mask=col_c < geo.cols)
+      continue
+    uniform = uniforms(k, fmt)
+    if fmt.local:
+      codes_ref, scales_ref = next(out_it), next(out_it)
+      absolute = [_finite_abs(values[h], valids[h]) for h in range(2)]
+      seg_max = jnp.maximum(absolute[0].max(axis=2), absolute[1].max(axis=2))
+      inverse = (kmath.inverse_times_4(seg_max)[:, :, None],) * 2
+      plgpu.store(scales_ref.at[row_2, seg_2], seg_max, mask=valid_2)
+    else:
       codes_ref = next(out_it)
       inverse = per_element_scale(fmt, next(inv_it), jnp.maximum)
-      uniform = uniforms(k, fmt)
-      codes = [_encode(values[h], inverse[h], fmt.spec, uniform[h], kmath.div)
-               for h in range(2)]
-      plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
+    codes = [_encode(values[h], inverse[h], fmt.spec, uniform[h], kmath.div) for h in range(2)]
+    plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
 
 
-def _call(plan: _Plan, fn, pass_two: bool, inputs: list, out_shapes: list, aliases: dict,
+def _call(plan: _Plan, fn, stats_pass: bool, inputs: list, out_shapes: list, aliases: dict,
           options: "Options"):
-  kernel = functools.partial(_kernel, plan, fn, pass_two, not options.interpret)
+  kernel = functools.partial(_kernel, plan, fn, stats_pass, not options.interpret)
   pl, plgpu = _pallas()
   return pl.pallas_call(
       kernel,
@@ -332,7 +339,7 @@ def _call(plan: _Plan, fn, pass_two: bool, inputs: list, out_shapes: list, alias
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=options.num_warps, num_stages=1),
       interpret=options.interpret,
-      name=f"optax4bit_{'encode' if pass_two else 'step'}",
+      name=f"optax4bit_{'stats' if stats_pass else 'step'}",
   )(*inputs)
 
 
@@ -417,50 +424,53 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
         inputs.extend(ops)
     return inputs + side_ops, position
 
-  # Pass 1: the step; the update, local moments and partial maxima.
-  inputs, position = assemble(plan.old_read)
-  out_shapes, aliases = [], {}
-  for dtype in plan.dense_out:
-    out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.cols), dtype))
-  for fmt, a in zip(new_fmts, alias):
-    if fmt.local:
-      if a is not None:
-        aliases[position[a]] = len(out_shapes)
-        aliases[position[a] + 1] = len(out_shapes) + 1
-      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.half), jnp.uint8))
-      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))
-    else:
-      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))
-      if fmt.kind == "rank1":
-        out_shapes.append(jax.ShapeDtypeStruct((geo.row_tiles, geo.cols), jnp.float32))
-  outs = list(_call(plan, fn, False, inputs, out_shapes, aliases, options))
-  dense_results = [outs.pop(0).reshape(shape) for _ in plan.dense_out]
-  new_codes, new_scales = [None] * len(new_fmts), [None] * len(new_fmts)
-  for k, fmt in enumerate(new_fmts):
-    if fmt.local:
-      new_codes[k] = outs.pop(0)
-      new_scales[k] = _operands.local_scales(outs.pop(0), fmt, geo)
-    else:
-      row_part = outs.pop(0)
-      col_part = outs.pop(0) if fmt.kind == "rank1" else None
-      new_scales[k] = _operands.scales_from_partials(fmt, geo, row_part, col_part, reduce_scales)
-
-  # Pass 2: recompute and encode the moments whose scales needed the whole
-  # new value; it reads only their own old codes (pass 1 left them intact).
+  new_scales = [None] * len(new_fmts)
   deferred = [k for k, fmt in enumerate(new_fmts) if not fmt.local]
   if deferred:
+    # Stats pass: the partial maxima of the moments whose scales span tiles
+    # (rank-1, tensor). It reads only their own old moments, and writes nothing
+    # else, so that the step pass below can overwrite every input it reads.
     read = tuple(any(alias[k] == m for k in deferred) for m in range(len(old)))
-    plan = dataclasses.replace(plan, old_read=read)
-    inputs, position = assemble(read)
-    out_shapes, aliases = [], {}
+    inputs, _ = assemble(read)
+    out_shapes = []
     for k in deferred:
-      inputs.extend(_operands.encode_operands(new_scales[k], new_fmts[k], geo))
-      if alias[k] is not None:
-        aliases[position[alias[k]]] = len(out_shapes)
-      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.half), jnp.uint8))
-    codes = _call(plan, fn, True, inputs, out_shapes, aliases, options)
-    for k, c in zip(deferred, codes):
-      new_codes[k] = c
+      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))
+      if new_fmts[k].kind == "rank1":
+        out_shapes.append(jax.ShapeDtypeStruct((geo.row_tiles, geo.cols), jnp.float32))
+    outs = list(_call(dataclasses.replace(plan, old_read=read), fn, True, inputs, out_shapes,
+                      {}, options))
+    for k in deferred:
+      row_part = outs.pop(0)
+      col_part = outs.pop(0) if new_fmts[k].kind == "rank1" else None
+      new_scales[k] = _operands.scales_from_partials(new_fmts[k], geo, row_part, col_part,
+                                                     reduce_scales)
+
+  # Step pass: the update and every new moment, each written over the input
+  # it replaces (the gradient, the old codes and block scales): with donated
+  # buffers the step needs no leaf-sized temporary.
+  inputs, position = assemble(plan.old_read)
+  for k in deferred:
+    inputs.extend(_operands.encode_operands(new_scales[k], new_fmts[k], geo))
+  out_shapes, aliases = [], {}
+  for k, dtype in enumerate(plan.dense_out):
+    if k < len(dense_in) and jnp.dtype(dense_in[k].dtype) == dtype:
+      aliases[len(head) - len(dense_in) + k] = len(out_shapes)
+    out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.cols), dtype))
+  for fmt, a in zip(new_fmts, alias):
+    if a is not None:
+      aliases[position[a]] = len(out_shapes)
+    out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.half), jnp.uint8))
+    if fmt.local:
+      if a is not None:
+        aliases[position[a] + 1] = len(out_shapes)
+      out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))
+  outs = list(_call(plan, fn, False, inputs, out_shapes, aliases, options))
+  dense_results = [outs.pop(0).reshape(shape) for _ in plan.dense_out]
+  new_codes = [None] * len(new_fmts)
+  for k, fmt in enumerate(new_fmts):
+    new_codes[k] = outs.pop(0)
+    if fmt.local:
+      new_scales[k] = _operands.local_scales(outs.pop(0), fmt, geo)
 
   codes_shape = shape[:-1] + (geo.half,)
   new_moments = tuple(

@@ -121,7 +121,7 @@ def geometry(shape: tuple, specs: Sequence[QuantSpec], tile_bytes: int = DEFAULT
   half = packed_length(cols, 4)
   num_segs = -(-half // seg)
   tile_bytes = max(int(tile_bytes), seg)
-  # Rows first: the rank-1 column maxima of pass 1 take one float per row
+  # Rows first: the rank-1 column maxima of the stats pass take one float per row
   # tile and column, so few rows per tile would make them leaf-sized.
   rows_per_tile = min(_pow2_ceil(rows), _pow2_floor(tile_bytes // seg))
   segs_per_tile = min(_pow2_ceil(num_segs), _pow2_floor(tile_bytes // (seg * rows_per_tile)))

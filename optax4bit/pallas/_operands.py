@@ -1,6 +1,6 @@
 """The jnp side of the Pallas kernels: a moment's scale arrays in the views
 the kernels read (decode and encode operands), and the reference's scale
-arrays rebuilt from what pass 1 of a kernel writes."""
+arrays rebuilt from what the stats pass of a kernel writes."""
 
 from __future__ import annotations
 

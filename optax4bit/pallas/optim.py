@@ -3,11 +3,11 @@
 
 Each step reads the gradient and the packed moments (codes plus scales),
 runs the float32 update, writes the update in the gradient's dtype and the
-re-quantized moments (in place: the kernels alias the old code and block-scale
-buffers). A moment with block-wise scales is encoded in the same pass; a
-moment with rank-1 (or tensor) scales needs the maxima of its whole new value
-first, so it is encoded by a second pass that recomputes it from the gradient
-and its old codes (no float32 moment buffer is ever stored).
+re-quantized moments (in place: the kernels alias the gradient and the old
+code and block-scale buffers). A moment with block-wise scales is encoded in
+the same pass; a moment with rank-1 (or tensor) scales needs the maxima of its
+whole new value first, which a stats pass computes from the gradient and its
+old codes before the step pass (no float32 moment buffer is ever stored).
 
 The arithmetic mirrors the jnp reference operation by operation and its
 scalar coefficients (``1 - b1``, bias corrections, ...) are computed by the
