@@ -425,7 +425,7 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
     out = []
     for i, (moment, plan) in enumerate(zip(leaf.moments, leaf.plans)):
       if not plan.quantized:
-        out.append(new[i])
+        out.append(encode_moment(new[i], moment))  # in its stored dtype
         continue
       layout = leaf.chunk_layout(moment, size)
       if plan.needs_second_pass:

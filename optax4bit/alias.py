@@ -64,7 +64,10 @@ def adam_4bit(
     b2: decay rate of the second moment.
     eps: term added to the denominator outside the square root.
     eps_root: term added to the second moment inside the square root.
-    mu_dtype: dtype of first moments kept unquantized (default float32).
+    mu_dtype: dtype of first moments kept unquantized (default float32;
+      optax's default is the parameters' dtype, but the step's math is
+      float32 and such leaves are small). A quantized moment reports float32,
+      the dtype it decodes to; a complex parameter's moment stays complex.
     nesterov: Nesterov momentum.
     recipe: ``"default"`` or ``"paper"`` (see `optax4bit.recipes`).
     first_moment: quantizer of the first moment, overriding the recipe's.
@@ -142,7 +145,10 @@ def adamw_4bit(
     b2: decay rate of the second moment.
     eps: term added to the denominator outside the square root.
     eps_root: term added to the second moment inside the square root.
-    mu_dtype: dtype of first moments kept unquantized (default float32).
+    mu_dtype: dtype of first moments kept unquantized (default float32;
+      optax's default is the parameters' dtype, but the step's math is
+      float32 and such leaves are small). A quantized moment reports float32,
+      the dtype it decodes to; a complex parameter's moment stays complex.
     weight_decay: decoupled weight decay (a float or a schedule).
     mask: which leaves get weight decay (as in ``optax.adamw``).
     nesterov: Nesterov momentum.
@@ -289,7 +295,10 @@ def adamw_8bit(
     b2: decay rate of the second moment.
     eps: term added to the denominator outside the square root.
     eps_root: term added to the second moment inside the square root.
-    mu_dtype: dtype of first moments kept unquantized (default float32).
+    mu_dtype: dtype of first moments kept unquantized (default float32;
+      optax's default is the parameters' dtype, but the step's math is
+      float32 and such leaves are small). A quantized moment reports float32,
+      the dtype it decodes to; a complex parameter's moment stays complex.
     weight_decay: decoupled weight decay (a float or a schedule).
     mask: which leaves get weight decay (as in ``optax.adamw``).
     nesterov: Nesterov momentum.
@@ -322,6 +331,7 @@ def sgdm_4bit(
     learning_rate: optax.ScalarOrSchedule,
     momentum: float = 0.9,
     nesterov: bool = False,
+    accumulator_dtype: Optional[Any] = None,
     *,
     recipe: str = "default",
     first_moment: Optional[SpecLike] = None,
@@ -332,12 +342,15 @@ def sgdm_4bit(
     implementation: Implementation = "auto",
 ) -> optax.GradientTransformation:
   """SGD with a 4-bit momentum buffer: a drop-in for
-  ``optax.sgd(learning_rate, momentum, nesterov)``.
+  ``optax.sgd(learning_rate, momentum, nesterov, accumulator_dtype)``.
 
   Args:
     learning_rate: a float or an ``optax`` schedule.
     momentum: decay of the momentum buffer.
     nesterov: Nesterov momentum.
+    accumulator_dtype: dtype of a momentum buffer kept unquantized (default
+      float32; optax's default is the parameters' dtype). A quantized buffer
+      reports float32, the dtype it decodes to.
     recipe: ``"default"`` (momentum ``B128/NF`` with stochastic rounding) or
       ``"paper"`` (``B128/DE``, nearest rounding).
     first_moment: quantizer of the momentum buffer, overriding the recipe's.
@@ -364,7 +377,7 @@ def sgdm_4bit(
   _check_learning_rate(learning_rate)
   return optax.chain(
       transform.scale_by_momentum_4bit(
-          momentum, nesterov, recipe=recipe, first_moment=first_moment, min_quantize_size=min_quantize_size,
+          momentum, nesterov, accumulator_dtype, recipe=recipe, first_moment=first_moment, min_quantize_size=min_quantize_size,
           quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
           implementation=implementation),
       optax.scale_by_learning_rate(learning_rate),

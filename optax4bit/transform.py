@@ -176,7 +176,10 @@ def scale_by_adam_4bit(
     b2: decay rate of the second moment.
     eps: term added to the denominator outside the square root.
     eps_root: term added to the second moment inside the square root.
-    mu_dtype: dtype of first moments kept unquantized (default float32).
+    mu_dtype: dtype of first moments kept unquantized (default float32;
+      optax's default is the parameters' dtype, but the step's math is
+      float32 and such leaves are small). A quantized moment reports float32,
+      the dtype it decodes to; a complex parameter's moment stays complex.
     nesterov: use Nesterov momentum, as in ``optax.scale_by_adam``.
     second_moment: quantizer of the second moment (unsigned), overriding the
       recipe's; a map with a zero code (``"B128/DE"``) shows the paper's
@@ -409,6 +412,7 @@ def scale_by_factored_adam_4bit(
 def scale_by_momentum_4bit(
     momentum: float = 0.9,
     nesterov: bool = False,
+    accumulator_dtype: Optional[Any] = None,
     *,
     recipe: str = "default",
     first_moment: Optional[SpecLike] = None,
@@ -426,6 +430,9 @@ def scale_by_momentum_4bit(
   Args:
     momentum: the decay of the trace.
     nesterov: Nesterov momentum.
+    accumulator_dtype: dtype of a trace kept unquantized (default float32,
+      whatever the parameter dtype: the step's math is float32). A quantized
+      trace reports float32, the dtype it decodes to.
     recipe: ``"default"`` (the trace in ``B128/NF`` with stochastic
       rounding) or ``"paper"`` (``B128/DE``, nearest rounding); see
       `optax4bit.recipes`.
@@ -465,11 +472,13 @@ def scale_by_momentum_4bit(
   min_quantize_size = _validation.check_static_int("min_quantize_size", min_quantize_size)
   chunk = _validation.check_chunk_size(chunk_size)
   implementation = _dispatch.check_implementation(implementation)
+  accumulator_dtype = jnp.float32 if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
   def init_fn(params):
     flags = _validation.resolve_mask(quantize_mask, params, "quantize_mask")
     leaves, treedef = _flatten_params(params)
-    trace = [_zeros_moment(p, spec if _validation.quantizable(p, f, min_quantize_size) else None)
+    trace = [_zeros_moment(p, spec if _validation.quantizable(p, f, min_quantize_size) else None,
+                           accumulator_dtype)
              for p, f in zip(leaves, flags)]
     return ScaleByMomentum4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(trace))
 

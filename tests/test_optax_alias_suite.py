@@ -9,6 +9,16 @@ conformance suite for something that claims to be an optax optimizer.
   default ``min_quantize_size``.
 * `WrappedAliasQuickTest`, in the default run: the tests of `QUICK` for every
   configuration, ``min_quantize_size=0``.
+* `SwappedAliasTest` (slow): all of ``AliasTest`` (but its 10,000-step
+  convergence runs) with optax's ``adam``, ``adamw`` and ``sgd(momentum=...)``
+  replaced by ``adam_4bit``, ``adamw_4bit`` and ``sgdm_4bit``
+  (``min_quantize_size=0``), less two tests whose expectations this library
+  departs from on purpose: ``test_explicit_dtype`` (an unquantized moment
+  defaults to float32, not the params' dtype; a complex parameter's moment
+  stays complex whatever dtype is asked for) and
+  ``test_optimizers_can_be_wrapped_in_inject_hyperparams`` (it passes
+  ``min_quantize_size`` through ``optax.inject_hyperparams``, which makes it
+  an array; `optax4bit.inject_hyperparams` keeps it static).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import pytest
 
 import optax4bit
 
+_optax_alias = pytest.importorskip("optax._src.alias")
 alias_test = pytest.importorskip("optax._src.alias_test")
 
 
@@ -65,8 +76,43 @@ class WrappedAliasQuickTest(_Wrapped):
   """A subset of optax's AliasTest, wrapped."""
 
 
+_SWAPPED = {"adam": optax4bit.adam_4bit, "adamw": optax4bit.adamw_4bit}
+
+
+def _swapped_get_opt(original, test_case, opt_name: str):
+  if opt_name in _SWAPPED:
+    return functools.partial(_SWAPPED[opt_name], min_quantize_size=0)
+  return original(test_case, opt_name)
+
+
+def _swapped_sgd(original, learning_rate, momentum=None, nesterov=False, accumulator_dtype=None):
+  if momentum is None:
+    return original(learning_rate, momentum, nesterov, accumulator_dtype)
+  return optax4bit.sgdm_4bit(learning_rate, momentum, nesterov, accumulator_dtype,
+                             min_quantize_size=0)
+
+
+@pytest.mark.slow
+class SwappedAliasTest(alias_test.AliasTest):
+  """optax's AliasTest with the 4-bit aliases in place of optax's."""
+
+  def setUp(self):
+    super().setUp()
+    for patcher in (
+        mock.patch.object(alias_test, "_get_opt",
+                          functools.partial(_swapped_get_opt, alias_test._get_opt)),
+        mock.patch.object(_optax_alias, "sgd", functools.partial(_swapped_sgd,
+                                                                 _optax_alias.sgd))):
+      patcher.start()
+      self.addCleanup(patcher.stop)
+
+
 QUICK = ("test_optimizers_accept_extra_args",
          "test_optimizers_can_be_wrapped_in_inject_hyperparams")
 _keep_only(WrappedAliasOptimizationTest, ("test_optimization",))
 _keep_only(WrappedAliasQuickTest, QUICK)
+for _name in dir(SwappedAliasTest):
+  if _name.startswith(("test_optimization", "test_explicit_dtype",
+                       "test_optimizers_can_be_wrapped_in_inject_hyperparams")):
+    setattr(SwappedAliasTest, _name, None)
 del _Wrapped

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,3 +271,28 @@ def test_complex128_second_moment_is_float64(x64, name):  # pylint: disable=rede
   assert updates.dtype == jnp.complex128 and np.all(np.isfinite(np.asarray(updates)))
   moments = state[0]
   assert moments.nu.dtype == jnp.float64 and moments.mu.dtype == jnp.complex128
+
+
+@pytest.mark.parametrize("make_4bit,make_optax,field", [
+    (lambda: optax4bit.adam_4bit(0.1, mu_dtype=jnp.bfloat16, min_quantize_size=10**9,
+                                 chunk_size=1024),
+     lambda: optax.adam(0.1, mu_dtype=jnp.bfloat16), "mu"),
+    (lambda: optax4bit.sgdm_4bit(0.1, 0.9, accumulator_dtype=jnp.bfloat16,
+                                 min_quantize_size=10**9, chunk_size=1024),
+     lambda: optax.sgd(0.1, 0.9, accumulator_dtype=jnp.bfloat16), "trace"),
+], ids=["adam mu_dtype", "sgdm accumulator_dtype"])
+def test_explicit_moment_dtype_of_unquantized_chunked_leaves(make_4bit, make_optax, field):
+  # optax's signature and meaning: an unquantized moment is stored in the
+  # dtype asked for. Chunked leaves once crashed (the loop carried float32).
+  params = {"w": jnp.full((300, 70), 0.5, jnp.float32), "b": jnp.zeros((5,), jnp.float32)}
+  tx, ref = make_4bit(), make_optax()
+  state, ref_state = tx.init(params), ref.init(params)
+  update = jax.jit(tx.update)
+  for i in range(3):
+    grads = jax.tree.map(lambda p, i=i: jnp.sin(jnp.arange(p.size, dtype=jnp.float32)
+                                                 .reshape(p.shape) + i), params)
+    u, state = update(grads, state)
+    u_ref, ref_state = ref.update(grads, ref_state)
+    chex.assert_trees_all_close(u, u_ref, rtol=2e-2, atol=1e-3)
+  for leaf in jax.tree.leaves(optax.tree.get(state, field)):
+    assert leaf.dtype == jnp.bfloat16
