@@ -45,7 +45,27 @@ def _adam_step(b1, b2, eps, eps_root, correction1, correction2, correction1_next
   else:
     m_hat = m / correction1.astype(m.dtype)
   v_hat = v / correction2.astype(v.dtype)
-  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m, v)
+  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (restart_overflowed(m, v), v)
+
+
+def restart_overflowed(m, v):
+  """The first moment to store: 0 where the new second moment is ``+inf``.
+
+  ``v`` is ``+inf`` where ``g**2`` overflowed float32 (``|g| > 1.8e19``) or
+  ``g`` is ``+-inf``. The update of this step is then 0 (or NaN for an
+  infinite ``g``), as ``optax.adam``'s. optax keeps ``v = inf`` and freezes
+  the element for good; a quantized ``v`` cannot store ``inf`` (scales are
+  maxima of the finite values, see `optax4bit.quantize`): it comes back as
+  the largest finite value of its block, row or column, or 0. Keeping the
+  huge ``m`` beside that would turn the next step into ``m / eps`` (a step of
+  1e34 after a gradient of 1e30). So the element's first moment restarts from
+  0 instead: the next steps are ordinary Adam steps of the new gradients and
+  the bad gradient is dropped, never amplified. With float32 moments this
+  changes no update (``v`` stays ``inf``: ``m / inf`` is 0 for any finite
+  ``m``). Every backend applies the same rule (the Pallas engine to the last
+  new moment of a step, the C++ kernel after its update).
+  """
+  return jnp.where(jnp.isposinf(v), jnp.zeros((), m.dtype), m)
 
 
 def factored_step(b1, b2, eps, eps_root, count_inc):
