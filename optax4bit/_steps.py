@@ -7,6 +7,11 @@ engine runs these on chunks of rows. The fused kernels (`optax4bit.pallas`,
 as a float32 vector computed here, by the same expressions, so that their
 results match the jnp path.
 
+A step whose new second moment is ``+inf`` (``g**2`` overflowed float32)
+stores a first moment of 0 there (`restart_overflowed`): a quantized second
+moment cannot keep the ``inf`` that makes optax freeze the element, and the
+huge first moment must not meet the finite value it is stored as.
+
 Steps are partials of module-level functions, not closures: the engine passes
 their traced arguments into ``shard_map`` explicitly (see
 `optax4bit.sharding.hoist_partial`).
