@@ -67,8 +67,8 @@ def restart_overflowed(m, v):
   0 instead: the next steps are ordinary Adam steps of the new gradients and
   the bad gradient is dropped, never amplified. With float32 moments this
   changes no update (``v`` stays ``inf``: ``m / inf`` is 0 for any finite
-  ``m``). Every backend applies the same rule (the Pallas engine to the last
-  new moment of a step, the C++ kernel after its update).
+  ``m``). Every backend applies the same rule (the Pallas Adam step calls this
+  function, the C++ kernel applies it after its update).
   """
   return jnp.where(jnp.isposinf(v), jnp.zeros((), m.dtype), m)
 
@@ -88,7 +88,19 @@ def _factored_step(b1, eps, eps_root, correction1, correction2, g, old, side):
   v = jnp.where(positive, row * col / jnp.where(positive, row_mean, 1), 0)
   m_hat = m / correction1.astype(m.dtype)
   v_hat = v / correction2.astype(v.dtype)
-  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m,)
+  update = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+  return restart_factored_overflow(g, update, m)
+
+
+def restart_factored_overflow(g, update, m):
+  """`restart_overflowed` for 4-bit Factor, whose factors leave out a
+  non-finite ``g**2`` (one bad element must not poison its row and column):
+  where ``g**2`` is ``+inf`` the update is ``0 * g`` (0, or NaN for an
+  infinite ``g``, as Adam's) and the first moment restarts from 0."""
+  overflowed = jnp.isposinf(g * g)
+  zero = jnp.zeros((), m.dtype)
+  return (jnp.where(overflowed, zero * g, update),
+          (jnp.where(overflowed, zero, m),))
 
 
 def momentum_step(momentum, nesterov: bool):

@@ -67,10 +67,6 @@ OPTIMIZERS = {
     "adamw_8bit": (lambda impl: optax4bit.adamw_8bit(LR, implementation=impl),
                    lambda: optax.adamw(LR)),
 }
-# The factored second moment's row and column means count an overflowed g**2
-# as 0 (optax4bit/transform.py, outside this change): the first step is m / eps.
-FACTOR_XFAIL = pytest.mark.xfail(
-    strict=True, reason="factored v drops an overflowed g**2 (transform._factored_second_moment)")
 
 
 def _params(dtype):
@@ -99,8 +95,7 @@ def _cases():
       for dtype in ("float32", "bfloat16"):
         if dtype == "bfloat16" and impl not in ("jnp", "pallas_interpret"):
           continue  # the C++ kernel covers float32 leaves only
-        marks = [FACTOR_XFAIL] if name == "adamw_4bit_factor" else []
-        yield pytest.param(name, impl, dtype, marks=marks, id=f"{name}-{impl}-{dtype}")
+        yield pytest.param(name, impl, dtype, id=f"{name}-{impl}-{dtype}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,9 +33,6 @@ How a quantized moment is normalized decides when it can be encoded:
 A new moment encoded in pass 2 may depend only on the dense inputs, the side
 inputs, the coefficients and its *own* old value (pass 1 may already have
 overwritten the others). Every optimizer of this package satisfies that.
-A step with two or more new moments (Adam's ``(m, v)``) stores 0 in the
-others where the last is ``+inf`` (an overflowed ``g**2``), as the jnp steps
-do (`optax4bit._steps.restart_overflowed`).
 
 Numerics follow the jnp reference operation by operation: the same decode
 (table entry times scale), the same normalization ``n = (x * (4 / scale)) *
@@ -173,16 +170,6 @@ def _encode(x, inverse_times_4, spec: QuantSpec, uniform=None, div=jnp.divide):
   return maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed).astype(jnp.int32)
 
 
-def _restart_overflowed(result):
-  """`optax4bit._steps.restart_overflowed` for a step with two or more new
-  moments (Adam's ``(m, v)``): the others are 0 where the last is ``+inf``."""
-  dense_out, new = result
-  if len(new) < 2:
-    return result
-  overflowed = new[-1] == np.float32(np.inf)
-  return dense_out, tuple(jnp.where(overflowed, np.float32(0), x) for x in new[:-1]) + new[-1:]
-
-
 def _pack(code_even, code_odd, valid_odd):
   return (code_even | (jnp.where(valid_odd, code_odd, 0) << 4)).astype(jnp.uint8)
 
@@ -291,8 +278,7 @@ def _kernel(plan: _Plan, fn: Callable, pass_two: bool, triton: bool, *refs):
       for h in range(2):
         side[h].append(_load(ref, (lead_index, cols[h]), valids[h]))
 
-  results = [_restart_overflowed(fn(kmath, coef, tuple(dense[h]), tuple(old[h]), tuple(side[h])))
-             for h in range(2)]
+  results = [fn(kmath, coef, tuple(dense[h]), tuple(old[h]), tuple(side[h])) for h in range(2)]
 
   out_it = iter(outs)
   row_2 = i * br + _iota((br, nbt), 0)
