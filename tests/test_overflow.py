@@ -178,3 +178,37 @@ def test_restart_overflowed_leaves_float32_adam_equal_to_optax():
   ref, _ = _run(optax.adamw(LR), params, grads)
   got, _ = _run(optax4bit.adamw_4bit(LR, implementation="jnp"), params, grads)
   np.testing.assert_array_equal(got, ref)
+
+
+WRAPPED = {  # quantize_state and the presets built on it, against optax's own
+    "quantize_state(adamw)": (lambda: optax4bit.quantize_state(optax.adamw(LR)),
+                              lambda: optax.adamw(LR)),
+    "quantize_state(adamw) chunked": (
+        lambda: optax4bit.quantize_state(optax.adamw(LR), chunk_size=4096),
+        lambda: optax.adamw(LR)),
+    "ademamix_4bit": (lambda: optax4bit.ademamix_4bit(LR), lambda: optax.contrib.ademamix(LR)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPED))
+def test_wrapped_optimizer_does_not_amplify_an_overflowing_gradient(name):
+  """The same sequence through `quantize_state`: where a quantized v becomes
+  inf, the leaf's other quantized moments restart (before: max |p| 4.7e34)."""
+  make, make_ref = WRAPPED[name]
+  params, grads_seq = _params(jnp.float32), _overflow_sequence(jnp.float32)
+  ref, _ = _run(make_ref(), params, grads_seq)
+  got, _ = _run(make(), params, grads_seq)
+  assert not np.isnan(got).any()
+  assert 0.1 <= np.abs(got).max() / np.abs(ref).max() <= 10, (np.abs(got).max(),
+                                                               np.abs(ref).max())
+
+
+def test_restart_beside_overflow_touches_quantized_fields_only():
+  from optax4bit._quantize_state import restart_beside_overflow  # pylint: disable=g-import-not-at-top
+  m, v, plain = jnp.array([5.0, 6.0]), jnp.array([jnp.inf, 1.0]), jnp.array([7.0, 8.0])
+  out = restart_beside_overflow([m, v, plain], [True, True, False])
+  np.testing.assert_array_equal(out[0], [0.0, 6.0])
+  np.testing.assert_array_equal(out[1], [np.inf, 1.0])
+  np.testing.assert_array_equal(out[2], [7.0, 8.0])
+  # A lone quantized field (or a plain v) changes nothing.
+  np.testing.assert_array_equal(restart_beside_overflow([m, v], [True, False])[0], m)
