@@ -132,7 +132,28 @@ def _inner_state(outer_def, mirror, mirrored: list, shared: list):
   return outer_def.unflatten([next(mirrored_it) if m else next(shared_it) for m in mirror])
 
 
-def _inner_step(inner_update, outer_def, mirror, dtypes, g_dtype, has_param, shared,
+def restart_beside_overflow(new: list, quantized) -> list:
+  """The new per-parameter fields of one leaf, with the quantized ones set to
+  0 where another quantized field became ``+inf``.
+
+  A quantized field cannot store ``inf`` (its scale counts finite values
+  only), so the ``v = inf`` that makes Adam freeze an element after ``g**2``
+  overflowed comes back finite; a huge first moment beside it would then make
+  a step of ``m / eps``. The other quantized fields restart from 0 there
+  instead, as the library's own Adam steps do
+  (`optax4bit._steps.restart_overflowed`); fields kept as plain arrays keep
+  what the wrapped optimizer made."""
+  flags = [q and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+           for x, q in zip(new, quantized)]
+  if sum(flags) < 2:
+    return list(new)
+  overflowed = functools.reduce(jnp.logical_or, [jnp.isposinf(x) for x, f in zip(new, flags)
+                                                  if f])
+  return [jnp.where(overflowed & ~jnp.isposinf(x), jnp.zeros((), x.dtype), x) if f else x
+          for x, f in zip(new, flags)]
+
+
+def _inner_step(inner_update, outer_def, mirror, dtypes, quantized, g_dtype, has_param, shared,
                 extra_args, g32, old, side):
   """``inner.update`` as a `_leafwise` step on float32 chunks. Traced values
   (``shared``, ``extra_args``) are arguments, so that ``functools.partial``
@@ -141,8 +162,8 @@ def _inner_step(inner_update, outer_def, mirror, dtypes, g_dtype, has_param, sha
   u, new_state = inner_update(g32.astype(g_dtype), _inner_state(outer_def, mirror, old, shared),
                               side[0] if has_param else None, **extra_args)
   new_outer = outer_def.flatten_up_to(new_state)
-  new = tuple(x.astype(jnp.float32) for x, m in zip(new_outer, mirror) if m)
-  return u.astype(jnp.float32), new
+  new = [x.astype(jnp.float32) for x, m in zip(new_outer, mirror) if m]
+  return u.astype(jnp.float32), tuple(restart_beside_overflow(new, quantized))
 
 
 def _init_leaf(inner_init, outer_def, mirror, leaf_specs, seed, p, i):
@@ -388,7 +409,8 @@ def _elementwise_update_leaf(step: _Step, i, g, stored, p, shared_in):
   split, inner = step.split, step.config.inner
   leaf_step = functools.partial(
       _inner_step, inner.update, split.outer_def, tuple(split.mirror),
-      tuple(np.dtype(x.dtype) for x in stored), np.dtype(g.dtype), p is not None,
+      tuple(np.dtype(x.dtype) for x in stored), tuple(qarray.is_quantized(x) for x in stored),
+      np.dtype(g.dtype), p is not None,
       list(shared_in), dict(step.extra_args))
   keys = tuple(_rounding_key(step.config.seed, step.count, i, k)
                if qarray.is_quantized(x) and x.spec.stochastic else None
@@ -420,8 +442,10 @@ def _whole_update_leaf(step: _Step, i, g, stored, p, shared_in):
     raise ValueError(
         f"inner.update on the leaf {step.update_names[i]} returned a state of another "
         f"structure than it was given: {e}. {NOT_SEPARABLE_HINT}") from None
-  mirrored = [_encode_result(step, new_outer[k], old, i, k)
-              for k, old in zip(step.mirrors, stored)]
+  new_mirrored = restart_beside_overflow([new_outer[k] for k in step.mirrors],
+                                         [qarray.is_quantized(old) for old in stored])
+  mirrored = [_encode_result(step, new, old, i, k)
+              for new, old, k in zip(new_mirrored, stored, step.mirrors)]
   return u, (mirrored, [x for x, m in zip(new_outer, split.mirror) if not m])
 
 

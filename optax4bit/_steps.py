@@ -7,6 +7,11 @@ engine runs these on chunks of rows. The fused kernels (`optax4bit.pallas`,
 as a float32 vector computed here, by the same expressions, so that their
 results match the jnp path.
 
+A step whose new second moment is ``+inf`` (``g**2`` overflowed float32)
+stores a first moment of 0 there (`restart_overflowed`): a quantized second
+moment cannot keep the ``inf`` that makes optax freeze the element, and the
+huge first moment must not meet the finite value it is stored as.
+
 Steps are partials of module-level functions, not closures: the engine passes
 their traced arguments into ``shard_map`` explicitly (see
 `optax4bit.sharding.hoist_partial`).
@@ -45,7 +50,27 @@ def _adam_step(b1, b2, eps, eps_root, correction1, correction2, correction1_next
   else:
     m_hat = m / correction1.astype(m.dtype)
   v_hat = v / correction2.astype(v.dtype)
-  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m, v)
+  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (restart_overflowed(m, v), v)
+
+
+def restart_overflowed(m, v):
+  """The first moment to store: 0 where the new second moment is ``+inf``.
+
+  ``v`` is ``+inf`` where ``g**2`` overflowed float32 (``|g| > 1.8e19``) or
+  ``g`` is ``+-inf``. The update of this step is then 0 (or NaN for an
+  infinite ``g``), as ``optax.adam``'s. optax keeps ``v = inf`` and freezes
+  the element for good; a quantized ``v`` cannot store ``inf`` (scales are
+  maxima of the finite values, see `optax4bit.quantize`): it comes back as
+  the largest finite value of its block, row or column, or 0. Keeping the
+  huge ``m`` beside that would turn the next step into ``m / eps`` (a step of
+  1e34 after a gradient of 1e30). So the element's first moment restarts from
+  0 instead: the next steps are ordinary Adam steps of the new gradients and
+  the bad gradient is dropped, never amplified. With float32 moments this
+  changes no update (``v`` stays ``inf``: ``m / inf`` is 0 for any finite
+  ``m``). Every backend applies the same rule (the Pallas Adam step calls this
+  function, the C++ kernel applies it after its update).
+  """
+  return jnp.where(jnp.isposinf(v), jnp.zeros((), m.dtype), m)
 
 
 def factored_step(b1, b2, eps, eps_root, count_inc):
@@ -63,7 +88,19 @@ def _factored_step(b1, eps, eps_root, correction1, correction2, g, old, side):
   v = jnp.where(positive, row * col / jnp.where(positive, row_mean, 1), 0)
   m_hat = m / correction1.astype(m.dtype)
   v_hat = v / correction2.astype(v.dtype)
-  return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), (m,)
+  update = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+  return restart_factored_overflow(g, update, m)
+
+
+def restart_factored_overflow(g, update, m):
+  """`restart_overflowed` for 4-bit Factor, whose factors leave out a
+  non-finite ``g**2`` (one bad element must not poison its row and column):
+  where ``g**2`` is ``+inf`` the update is ``0 * g`` (0, or NaN for an
+  infinite ``g``, as Adam's) and the first moment restarts from 0."""
+  overflowed = jnp.isposinf(g * g)
+  zero = jnp.zeros((), m.dtype)
+  return (jnp.where(overflowed, zero * g, update),
+          (jnp.where(overflowed, zero, m),))
 
 
 def momentum_step(momentum, nesterov: bool):

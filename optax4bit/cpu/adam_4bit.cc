@@ -26,7 +26,9 @@
 // into FMAs fused here too (explicitly: the library is built with
 // -ffp-contract=off), all others not; divisions by the bias corrections
 // where XLA keeps them; subnormals flushed to zero as XLA's CPU backend does;
-// non-finite values excluded from maxima and NaN normalized to 0. Stochastic
+// non-finite values excluded from maxima and NaN normalized to 0; the first
+// moment restarts from 0 where the new second moment is +inf
+// (optax4bit._steps.restart_overflowed: RestartOverflowed). Stochastic
 // rounding draws optax4bit.quant.maps.hashed_uniform's numbers: a hash of the
 // seed and of the element's flat index in the whole leaf, so the codes do
 // not depend on chunking. tests/test_cpu_kernel.py checks codes, scales and

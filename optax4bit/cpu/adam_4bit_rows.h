@@ -450,6 +450,17 @@ void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
   }
 }
 
+// optax4bit._steps.restart_overflowed: the first moment to store is 0 where
+// the new second moment is +inf (g^2 overflowed, or g = +-inf), so that a
+// second moment stored finite never meets the huge first moment again.
+void RestartOverflowed(int64_t d, const float* __restrict v, float* __restrict m) {
+  for (int64_t k = 0; k < d; k += kLanes) {
+    const VF vk = LoadV(v + k);
+    const VF mk = LoadV(m + k);
+    StoreV(m + k, vk == INFINITY ? VF{} : mk);
+  }
+}
+
 // Rank-1 codes of one row of v, nearest rounding.
 //
 // Linear (a closed form): ceil(16 n - 1.5) clamped to [0, 15], n = v *
@@ -533,6 +544,7 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
     } else {
       Update(h, m, v, c, out);
     }
+    RestartOverflowed(d, v, m);
     // Flat element indices wrap modulo 2**32, as maps.hashed_uniform's.
     EncodeFirstMoment(a.m_stochastic, h, m, m_rounding, a.row_base[i],
                       a.m_scales_out + i * blocks, a.m_out + i * h);

@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit._steps import restart_factored_overflow, restart_overflowed
+
 __all__ = ["STEPS"]
 
 
@@ -53,7 +55,7 @@ def _adam_step(nesterov: bool):
       update = kmath.div(b1 * (m * inv_c1_next) + one_minus_b1 * (g * inv_c1), denominator)
     else:
       update = kmath.div(m, c1 * denominator)
-    return (update,), (m, v)
+    return (update,), (restart_overflowed(m, v), v)
 
   return step
 
@@ -69,7 +71,8 @@ def _factored_step(kmath, coef, dense, old, side):
   m = one_minus_b1 * g + b1 * m
   v = jnp.where(row_mean > 0, (row * col) * inv_row_mean, np.float32(0))
   update = kmath.div(m, c1 * _adam_denominator(kmath, v, inv_c2, eps_root, eps))
-  return (update,), (m,)
+  update, new = restart_factored_overflow(g, update, m)
+  return (update,), new
 
 
 def _momentum_step(nesterov: bool):

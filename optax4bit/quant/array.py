@@ -119,7 +119,10 @@ def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None) -
   times the scale, ``-0.8875 * scale`` for the signed 4-bit DE table). A
   block, row or column without a finite non-zero value has scale 0 and
   dequantizes to exact zeros. Unsigned maps clamp negative inputs to their
-  smallest entry.
+  smallest entry. So an optimizer's second moment that overflowed to ``+inf``
+  comes back finite; the Adam steps restart the first moment of such an
+  element (`optax4bit._steps.restart_overflowed`) rather than divide a huge
+  ``m`` by it.
 
   Args:
     x: array of ndim >= 1 (float32, bfloat16, float16, ...).
