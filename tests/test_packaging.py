@@ -190,3 +190,116 @@ def test_isolated_build_in_a_fresh_venv(tmp_path):
   out, _ = _step_in_fresh_interpreter(python, site, tmp_path)
   assert out["compilers"] == [] and out["available"], out
   assert out["default"] and out["paper"], out
+
+
+# The baseline (portable C++) row functions of the kernel, one stats and one
+# apply pass over a 4x256 leaf, both recipes; prints a hash of every output.
+_ROWS_CHECK = r"""
+// One stats pass and one apply pass of the baseline row functions over a 4x256 leaf; prints an
+// FNV-1a hash of every output (update, codes, scales, maxima) per recipe.
+#include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
+
+#include <cstdio>
+#include <cstring>
+
+template <typename T>
+uint64_t Fnv(uint64_t h, const T* p, size_t n) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
+  for (size_t i = 0; i < n * sizeof(T); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+int main(int argc, char** argv) {
+  const float tiny = argc > 1 ? std::strtof(argv[1], nullptr) : 0.0f;
+  const int64_t rows = 4, d = 256, h = d / 2, blocks = h / kBlockBytes;
+  for (int recipe = 0; recipe < 2; ++recipe) {
+    const bool m_stochastic = recipe == 1, v_linear = recipe == 0;
+    uint32_t state = 12345u;
+    auto next = [&state] { return state = state * 1664525u + 1013904223u; };
+    std::vector<float> g(rows * d), m_scales(rows * blocks, 0.01f), v_rows(rows, 1e-4f);
+    for (float& x : g) x = ((next() >> 8) / 16777216.0f - 0.5f) * 0.02f;
+    for (int64_t i = 0; i < rows * d; i += 7) g[i] *= tiny;  // denormals when tiny ~ 1e-36
+    std::vector<uint8_t> m_codes(rows * h), v_codes(rows * h);
+    for (uint8_t& x : m_codes) x = next() >> 24;
+    for (uint8_t& x : v_codes) x = next() >> 24;
+    float tables[kTablesSize];
+    float* m_table = tables;
+    float* v_table = tables + 2 * kTableSize - 1;
+    for (int k = 0; k < kTableSize; ++k) {
+      m_table[k] = (k - 7.5f) / 8;
+      v_table[k] = (k + 1.0f) * (k + 1.0f) / 256;
+    }
+    for (int k = 0; k + 1 < kTableSize; ++k) {
+      m_table[kTableSize + k] = (m_table[k] + m_table[k + 1]) / 2;
+      v_table[kTableSize + k] = (v_table[k] + v_table[k + 1]) / 2;
+    }
+    const baseline::FirstMomentRounding m_rounding(m_table, m_table + kTableSize, 12345u);
+    float v_thresholds4[kTableSize - 1];
+    for (int k = 0; k + 1 < kTableSize; ++k) v_thresholds4[k] = 4 * v_table[kTableSize + k];
+    const baseline::Bounds v_thresholds = baseline::MakeBounds(v_thresholds4);
+    const float inverse = v_linear ? 16e4f : 4e4f;
+    const std::vector<float> col(h, 1e-4f), col_inverse(h, inverse);
+    std::vector<float> m(d), v(d), new_m_scales(rows * blocks), row_max(rows);
+    std::vector<uint32_t> col_max(d);
+    const Coefficients c{0.9f, 0.1f, 0.999f, 0.001f, 1e-8f, 0.0f, 0.1f,
+                         1000.0f, 10.0f, 5.0f, 0.001f, 0.19f};
+    FlushDenormals flush;
+    for (int64_t i = 0; i < rows; ++i) {
+      baseline::NewSecondMoment(h, g.data() + i * d, v_codes.data() + i * h, v_rows[i],
+                                col.data(), col.data(), v_table, c.b2, c.one_minus_b2, v.data());
+      baseline::SecondMomentMaxima(h, v.data(), &row_max[i], col_max.data(), col_max.data() + h);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      float* g_row = g.data() + i * d;
+      baseline::NewFirstMoment(h, g_row, m_codes.data() + i * h, m_scales.data() + i * blocks,
+                               m_table, c.b1, c.one_minus_b1, m.data());
+      baseline::NewSecondMoment(h, g_row, v_codes.data() + i * h, v_rows[i], col.data(),
+                                col.data(), v_table, c.b2, c.one_minus_b2, v.data());
+      baseline::Update(h, m.data(), v.data(), c, g_row);
+      baseline::EncodeFirstMoment(m_stochastic, h, m.data(), m_rounding, (uint32_t)(i * d),
+                                  new_m_scales.data() + i * blocks, m_codes.data() + i * h);
+      baseline::EncodeSecondMoment(v_linear, h, v.data(), inverse, col_inverse.data(),
+                                   col_inverse.data(), v_thresholds, v_codes.data() + i * h);
+    }
+    uint64_t hash = 1469598103934665603ull;
+    hash = Fnv(hash, g.data(), g.size());
+    hash = Fnv(hash, m_codes.data(), m_codes.size());
+    hash = Fnv(hash, v_codes.data(), v_codes.size());
+    hash = Fnv(hash, new_m_scales.data(), new_m_scales.size());
+    hash = Fnv(hash, row_max.data(), row_max.size());
+    hash = Fnv(hash, col_max.data(), col_max.size());
+    std::printf("recipe %d %016llx first update %.9g\n", recipe, (unsigned long long)hash, g[0]);
+  }
+  return 0;
+}
+"""
+
+
+def _cross_tools():
+  qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+  tools = (shutil.which("g++"), shutil.which("aarch64-linux-gnu-g++"), qemu)
+  return tools if all(tools) and sys.platform.startswith("linux") else None
+
+
+@pytest.mark.skipif(_cross_tools() is None,
+                    reason="needs g++, aarch64-linux-gnu-g++ and qemu-aarch64 (Debian: "
+                           "g++-aarch64-linux-gnu, qemu-user-static)")
+def test_aarch64_rows_match_the_native_baseline_under_qemu(tmp_path):
+  """Cross-compiled for aarch64 (static) with the flags of setup.py and run
+  under qemu-user, the row functions write bit for bit what the native
+  baseline path writes."""
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  native_cxx, cross_cxx, qemu = _cross_tools()
+  (tmp_path / "rows_check.cc").write_text(_ROWS_CHECK)
+  flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+           f"-I{Path(jaxlib.__file__).parent / 'include'}", f"-I{ROOT}", "rows_check.cc"]
+  builds = [subprocess.Popen([cxx, *flags, *extra], cwd=tmp_path, stderr=subprocess.PIPE,
+                             text=True)
+            for cxx, extra in ((native_cxx, ["-o", "native", "-lpthread"]),
+                               (cross_cxx, ["-static", "-o", "aarch64", "-lpthread"]))]
+  for build in builds:
+    stderr = build.communicate(timeout=600)[1]
+    assert build.returncode == 0, stderr[-4000:]
+  native = _run([str(tmp_path / "native")]).stdout
+  emulated = _run([qemu, str(tmp_path / "aarch64")]).stdout
+  assert len(native.splitlines()) == 2 and emulated == native, (native, emulated)
