@@ -33,6 +33,8 @@ class BuildWithXlaHeaders(build_ext):
 # contraction into fused multiply-adds; errno/trap freedom lets loops vectorize.
 _FLAGS = ([] if sys.platform == "win32" else
           ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"])
+# Python's own CFLAGS carry -g: unstripped, the library is 2.7 MB instead of 0.24 MB (Linux).
+_LINK_FLAGS = ["-s"] if sys.platform.startswith("linux") else []
 
 setuptools.setup(
     ext_modules=[
@@ -42,6 +44,7 @@ setuptools.setup(
             depends=["optax4bit/cpu/adam_4bit_rows.h"],
             language="c++",
             extra_compile_args=_FLAGS,
+            extra_link_args=_LINK_FLAGS,
             optional=True,
         )
     ],

@@ -38,6 +38,7 @@ import ctypes
 import functools
 import importlib.machinery
 import importlib.metadata
+import logging
 import os
 from typing import Optional
 
@@ -104,7 +105,15 @@ _library = None  # set by `_load`
 
 @functools.cache
 def _load() -> Optional[str]:
-  """Loads the library and registers its targets; returns why it cannot."""
+  """Loads the library and registers its targets; returns why it cannot,
+  logged once (the jnp path runs instead)."""
+  reason = _load_library()
+  if reason is not None:
+    logging.getLogger(__name__).warning("optax4bit runs its jnp path on CPU: %s.", reason)
+  return reason
+
+
+def _load_library() -> Optional[str]:
   path = _library_path()
   if path is None:
     return ("optax4bit was installed without its compiled CPU kernel "

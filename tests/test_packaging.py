@@ -1,0 +1,306 @@
+"""What users install (issue 15): the sdist, and the wheel built from it.
+
+``python -m build`` (without isolation: the test environment holds the
+build-system requirements) builds the sdist from a copy of the source tree,
+then the wheel from the unpacked sdist, so one build checks that the sdist
+builds from scratch. The wheel must carry every module of the package and the
+compiled CPU kernel, be tagged for this interpreter and platform (it holds a
+shared library), and its kernel must load, with no compiler on ``PATH``, in a
+fresh interpreter that imports optax4bit from the unpacked wheel, and compute
+what the jnp path computes. Without the library, or with a broken one, the
+package falls back to the jnp path and logs one line.
+
+The slow test builds in a fresh virtual environment with ``build``'s default
+isolation (downloads setuptools and jaxlib) and installs the wheel with its
+dependencies there. The aarch64 test cross-compiles the kernel's portable row
+functions and runs them under qemu-user; it is skipped where the cross
+compiler or qemu is absent (Debian: g++-aarch64-linux-gnu, qemu-user-static).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the sdist is built from (the tests are not part of the package).
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "optax4bit")
+KERNEL = "optax4bit/cpu/_adam_4bit" + importlib.machinery.EXTENSION_SUFFIXES[0]
+FALLBACK_LOG = "optax4bit runs its jnp path on CPU"
+
+
+def _modules() -> set:
+  """Every module of the package in the source tree, as archive paths."""
+  return {p.relative_to(ROOT).as_posix() for p in (ROOT / "optax4bit").rglob("*.py")
+          if "__pycache__" not in p.parts}
+
+
+def _run(cmd, timeout=600, **kwargs) -> subprocess.CompletedProcess:
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                        **kwargs)
+  assert proc.returncode == 0, (f"{cmd} exited with {proc.returncode}\nstdout:\n"
+                                f"{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}")
+  return proc
+
+
+def _copy_sources(dest: Path) -> Path:
+  """`SOURCES` without build products (the build writes into its source tree)."""
+  dest.mkdir(parents=True)
+  ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.egg-info", "build")
+  for name in SOURCES:
+    if (ROOT / name).is_dir():
+      shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    else:
+      shutil.copy2(ROOT / name, dest / name)
+  return dest
+
+
+def _build(python, src: Path, out: Path, *flags) -> tuple:
+  """``python -m build`` of ``src`` into ``out``: (sdist, wheel)."""
+  _run([str(python), "-m", "build", *flags, "--outdir", str(out), str(src)])
+  (sdist,) = out.glob("*.tar.gz")
+  (wheel,) = out.glob("*.whl")
+  return sdist, wheel
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory):
+  base = tmp_path_factory.mktemp("packaging")
+  return _build(sys.executable, _copy_sources(base / "src"), base / "dist", "--no-isolation")
+
+
+def _unpack(wheel: Path, dest: Path) -> Path:
+  with zipfile.ZipFile(wheel) as zf:
+    zf.extractall(dest)
+  return dest
+
+
+def test_wheel_is_tagged_for_this_platform_and_holds_the_package(dists):
+  from packaging.tags import sys_tags  # pylint: disable=import-outside-toplevel
+  from packaging.utils import parse_wheel_filename  # pylint: disable=import-outside-toplevel
+  _, wheel = dists
+  _, _, _, tags = parse_wheel_filename(wheel.name)
+  assert all(t.platform != "any" and t.abi != "none" for t in tags), wheel.name
+  assert tags & set(sys_tags()), f"{wheel.name} does not install on this interpreter"
+  with zipfile.ZipFile(wheel) as zf:
+    names = set(zf.namelist())
+    (info,) = {n.split("/")[0] for n in names if n.endswith(".dist-info/WHEEL")}
+    assert "Root-Is-Purelib: false" in zf.read(f"{info}/WHEEL").decode()
+    assert KERNEL in names, sorted(names)
+    kernel_bytes = zf.getinfo(KERNEL).file_size
+  assert not _modules() - names, f"modules missing from the wheel: {_modules() - names}"
+  if sys.platform.startswith("linux"):
+    assert kernel_bytes < 1_000_000, f"{KERNEL} is {kernel_bytes} bytes: not stripped?"
+
+
+def test_sdist_holds_the_kernel_sources(dists):
+  sdist, _ = dists
+  with tarfile.open(sdist) as tf:
+    names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+  expected = _modules() | {"optax4bit/cpu/adam_4bit.cc", "optax4bit/cpu/adam_4bit_rows.h",
+                           "setup.py", "pyproject.toml", "MANIFEST.in", "README.md"}
+  assert not expected - names, f"missing from the sdist: {expected - names}"
+
+
+# Run in a fresh interpreter that imports optax4bit from argv[1]: one step of
+# 4-bit AdamW (both recipes) through the kernel, against the jnp path.
+_STEP = r"""
+import json, logging, shutil, sys
+import jax, jax.numpy as jnp, numpy as np
+import optax4bit, optax4bit.cpu
+from optax4bit import dispatch
+assert optax4bit.__file__.startswith(sys.argv[1]), optax4bit.__file__
+out = {"compilers": [c for c in ("cc", "gcc", "c++", "g++", "clang") if shutil.which(c)],
+       "available": optax4bit.cpu.available(), "reason": optax4bit.cpu.unavailable_reason(),
+       "auto_runs_jnp": dispatch.fused_steps("auto") is None}
+params = {"w": 0.02 * jax.random.normal(jax.random.PRNGKey(0), (4, 256))}
+grads = {"w": 0.01 * jax.random.normal(jax.random.PRNGKey(1), (4, 256))}
+impls = ("jnp", "cpu") if out["available"] else ("jnp", "auto")
+for recipe in ("default", "paper"):
+  results = []
+  for impl in impls:
+    tx = optax4bit.adamw_4bit(1e-3, recipe=recipe, min_quantize_size=0, implementation=impl)
+    fn = jax.jit(tx.update)
+    if impl == "cpu":
+      assert "optax4bit_adam_4bit_apply" in fn.lower(grads, tx.init(params), params).as_text()
+    u, s = fn(grads, tx.init(params), params)
+    results.append([np.asarray(x) for x in jax.tree.leaves((u, s))])
+  out[recipe] = all(np.array_equal(a, b) for a, b in zip(*results))
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def _step_in_fresh_interpreter(python, site: Path, tmp_path: Path) -> tuple:
+  """Runs `_STEP` with optax4bit from ``site``, no compiler on PATH; (results, stderr)."""
+  empty = tmp_path / "empty_bin"
+  empty.mkdir(exist_ok=True)
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+  env.update(PATH=str(empty), CC="/bin/false", CXX="/bin/false", JAX_PLATFORMS="cpu",
+             PYTHONPATH=str(site))
+  proc = _run([str(python), "-c", _STEP, str(site)], env=env, cwd=tmp_path)
+  (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS ")]
+  return json.loads(line[len("RESULTS "):]), proc.stderr
+
+
+def test_wheel_kernel_loads_without_a_compiler(dists, tmp_path):
+  site = _unpack(dists[1], tmp_path / "site")
+  out, stderr = _step_in_fresh_interpreter(sys.executable, site, tmp_path)
+  assert out["compilers"] == []
+  assert out["available"], out["reason"]
+  assert out["default"] and out["paper"], out
+  assert FALLBACK_LOG not in stderr
+
+
+@pytest.mark.parametrize("damage", ["absent", "broken"])
+def test_wheel_without_a_loadable_kernel_runs_jnp_and_logs_once(dists, tmp_path, damage):
+  site = _unpack(dists[1], tmp_path / "site")
+  kernel = site / KERNEL
+  if damage == "absent":
+    kernel.unlink()
+  else:
+    kernel.write_bytes(b"not a shared library")
+  out, stderr = _step_in_fresh_interpreter(sys.executable, site, tmp_path)
+  expected = "without its compiled CPU kernel" if damage == "absent" else "cannot be loaded"
+  assert not out["available"] and expected in out["reason"], out
+  assert out["auto_runs_jnp"] and out["default"] and out["paper"], out
+  logged = [l for l in stderr.splitlines() if FALLBACK_LOG in l]
+  assert len(logged) == 1 and expected in logged[0], stderr
+
+
+@pytest.mark.slow
+def test_isolated_build_in_a_fresh_venv(tmp_path):
+  """``python -m build`` with isolation from the repository, in a fresh venv;
+  then the wheel installed with its dependencies, run without a compiler."""
+  venv = tmp_path / "venv"
+  _run([sys.executable, "-m", "venv", str(venv)])
+  python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+  _run([str(python), "-m", "pip", "install", "--quiet", "build"])
+  _, wheel = _build(python, _copy_sources(tmp_path / "src"), tmp_path / "dist")
+  site = tmp_path / "site"
+  _run([str(python), "-m", "pip", "install", "--quiet", "--target", str(site), str(wheel)])
+  out, _ = _step_in_fresh_interpreter(python, site, tmp_path)
+  assert out["compilers"] == [] and out["available"], out
+  assert out["default"] and out["paper"], out
+
+
+# The baseline (portable C++) row functions of the kernel, one stats and one
+# apply pass over a 4x256 leaf, both recipes; prints a hash of every output.
+_ROWS_CHECK = r"""
+// One stats pass and one apply pass of the baseline row functions over a 4x256 leaf; prints an
+// FNV-1a hash of every output (update, codes, scales, maxima) per recipe.
+#include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
+
+#include <cstdio>
+#include <cstring>
+
+template <typename T>
+uint64_t Fnv(uint64_t h, const T* p, size_t n) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
+  for (size_t i = 0; i < n * sizeof(T); ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+int main(int argc, char** argv) {
+  const float tiny = argc > 1 ? std::strtof(argv[1], nullptr) : 0.0f;
+  const int64_t rows = 4, d = 256, h = d / 2, blocks = h / kBlockBytes;
+  for (int recipe = 0; recipe < 2; ++recipe) {
+    const bool m_stochastic = recipe == 1, v_linear = recipe == 0;
+    uint32_t state = 12345u;
+    auto next = [&state] { return state = state * 1664525u + 1013904223u; };
+    std::vector<float> g(rows * d), m_scales(rows * blocks, 0.01f), v_rows(rows, 1e-4f);
+    for (float& x : g) x = ((next() >> 8) / 16777216.0f - 0.5f) * 0.02f;
+    for (int64_t i = 0; i < rows * d; i += 7) g[i] *= tiny;  // denormal for tiny = 1e-36
+    std::vector<uint8_t> m_codes(rows * h), v_codes(rows * h);
+    for (uint8_t& x : m_codes) x = next() >> 24;
+    for (uint8_t& x : v_codes) x = next() >> 24;
+    float tables[kTablesSize];
+    float* m_table = tables;
+    float* v_table = tables + 2 * kTableSize - 1;
+    for (int k = 0; k < kTableSize; ++k) {
+      m_table[k] = (k - 7.5f) / 8;
+      v_table[k] = (k + 1.0f) * (k + 1.0f) / 256;
+    }
+    for (int k = 0; k + 1 < kTableSize; ++k) {
+      m_table[kTableSize + k] = (m_table[k] + m_table[k + 1]) / 2;
+      v_table[kTableSize + k] = (v_table[k] + v_table[k + 1]) / 2;
+    }
+    const baseline::FirstMomentRounding m_rounding(m_table, m_table + kTableSize, 12345u);
+    float v_thresholds4[kTableSize - 1];
+    for (int k = 0; k + 1 < kTableSize; ++k) v_thresholds4[k] = 4 * v_table[kTableSize + k];
+    const baseline::Bounds v_thresholds = baseline::MakeBounds(v_thresholds4);
+    const float inverse = v_linear ? 16e4f : 4e4f;
+    const std::vector<float> col(h, 1e-4f), col_inverse(h, inverse);
+    std::vector<float> m(d), v(d), new_m_scales(rows * blocks), row_max(rows);
+    std::vector<uint32_t> col_max(d);
+    const Coefficients c{0.9f, 0.1f, 0.999f, 0.001f, 1e-8f, 0.0f, 0.1f,
+                         1000.0f, 10.0f, 5.0f, 0.001f, 0.19f};
+    FlushDenormals flush;
+    for (int64_t i = 0; i < rows; ++i) {
+      baseline::NewSecondMoment(h, g.data() + i * d, v_codes.data() + i * h, v_rows[i],
+                                col.data(), col.data(), v_table, c.b2, c.one_minus_b2, v.data());
+      baseline::SecondMomentMaxima(h, v.data(), &row_max[i], col_max.data(), col_max.data() + h);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      float* g_row = g.data() + i * d;
+      baseline::NewFirstMoment(h, g_row, m_codes.data() + i * h, m_scales.data() + i * blocks,
+                               m_table, c.b1, c.one_minus_b1, m.data());
+      baseline::NewSecondMoment(h, g_row, v_codes.data() + i * h, v_rows[i], col.data(),
+                                col.data(), v_table, c.b2, c.one_minus_b2, v.data());
+      baseline::Update(h, m.data(), v.data(), c, g_row);
+      baseline::EncodeFirstMoment(m_stochastic, h, m.data(), m_rounding, (uint32_t)(i * d),
+                                  new_m_scales.data() + i * blocks, m_codes.data() + i * h);
+      baseline::EncodeSecondMoment(v_linear, h, v.data(), inverse, col_inverse.data(),
+                                   col_inverse.data(), v_thresholds, v_codes.data() + i * h);
+    }
+    uint64_t hash = 1469598103934665603ull;
+    hash = Fnv(hash, g.data(), g.size());
+    hash = Fnv(hash, m_codes.data(), m_codes.size());
+    hash = Fnv(hash, v_codes.data(), v_codes.size());
+    hash = Fnv(hash, new_m_scales.data(), new_m_scales.size());
+    hash = Fnv(hash, row_max.data(), row_max.size());
+    hash = Fnv(hash, col_max.data(), col_max.size());
+    std::printf("recipe %d %016llx first update %.9g\n", recipe, (unsigned long long)hash, g[0]);
+  }
+  return 0;
+}
+"""
+
+
+def _cross_tools():
+  qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+  tools = (shutil.which("g++"), shutil.which("aarch64-linux-gnu-g++"), qemu)
+  return tools if all(tools) and sys.platform.startswith("linux") else None
+
+
+@pytest.mark.skipif(_cross_tools() is None,
+                    reason="needs g++, aarch64-linux-gnu-g++ and qemu-aarch64 (Debian: "
+                           "g++-aarch64-linux-gnu, qemu-user-static)")
+def test_aarch64_rows_match_the_native_baseline_under_qemu(tmp_path):
+  """Cross-compiled for aarch64 (static) with the flags of setup.py and run
+  under qemu-user, the row functions write bit for bit what the native
+  baseline path writes."""
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  native_cxx, cross_cxx, qemu = _cross_tools()
+  (tmp_path / "rows_check.cc").write_text(_ROWS_CHECK)
+  flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+           f"-I{Path(jaxlib.__file__).parent / 'include'}", f"-I{ROOT}", "rows_check.cc"]
+  builds = [subprocess.Popen([cxx, *flags, *extra], cwd=tmp_path, stderr=subprocess.PIPE,
+                             text=True)
+            for cxx, extra in ((native_cxx, ["-o", "native", "-lpthread"]),
+                               (cross_cxx, ["-static", "-o", "aarch64", "-lpthread"]))]
+  for build in builds:
+    stderr = build.communicate(timeout=600)[1]
+    assert build.returncode == 0, stderr[-4000:]
+  for scale in ("0", "1e-36"):  # every seventh gradient zero, or denormal
+    native = _run([str(tmp_path / "native"), scale]).stdout
+    emulated = _run([qemu, str(tmp_path / "aarch64"), scale]).stdout
+    assert len(native.splitlines()) == 2 and emulated == native, (scale, native, emulated)
