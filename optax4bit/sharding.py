@@ -60,6 +60,7 @@ import math
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -204,6 +205,50 @@ def shardings_like_param(sharding: NamedSharding, param_shape: tuple, tree):
       sharding.mesh, state_partition_spec(sharding.spec, param_shape, tuple(x.shape))), tree)
 
 
+def _on_auto_mesh(x) -> bool:
+  """Whether traced ``x`` lives on a mesh of several devices with ``Auto``
+  axes (classic GSPMD): its type names the mesh but not the spec."""
+  try:
+    mesh = jax.typeof(x).sharding.mesh
+  except AttributeError:
+    return False
+  return (not mesh.empty and mesh.size > 1
+          and any(t == AxisType.Auto for t in mesh.axis_types))
+
+
+def tie_to_param(param, x):
+  """``x`` unchanged, made data-dependent on ``param`` so that XLA's sharding
+  propagation places it like ``param`` (see `state_partition_spec`).
+
+  Under ``jit`` on an ``Auto`` mesh a traced parameter does not say how it
+  is sharded, and a state created from constants would come out of ``jit``
+  on one device. Each axis of ``x`` is linked to the same axis of ``param``:
+  taken whole if the lengths agree, strided (packed codes, block scales:
+  every 2nd or every k-th element, which keeps the shards' tiling) if
+  shorter, reduced if of length 1 (a statistic of the axis: replicated
+  along it). ``param * 0 == 1`` is False for every value, NaN and inf
+  included, and XLA does not fold it for floats; ``where`` keeps ``x``'s
+  bits. Arrays of another rank (a step count) are returned as they are."""
+  if (not hasattr(x, "shape") or len(x.shape) != len(param.shape) or not param.shape
+      or not jnp.issubdtype(param.dtype, jnp.inexact)):
+    return x
+  dep = param
+  for axis, (n, s) in enumerate(zip(param.shape, x.shape)):
+    if s == n:
+      continue
+    if s == 1:
+      dep = jnp.any(dep * 0 == 1, axis=axis, keepdims=True) if dep.dtype != jnp.bool_ else \
+          jnp.any(dep, axis=axis, keepdims=True)
+      continue
+    stride = -(-n // s)
+    if -(-n // stride) != s:
+      return x
+    dep = jax.lax.slice_in_dim(dep, 0, n, stride, axis)
+  if dep.dtype != jnp.bool_:
+    dep = dep * 0 == 1
+  return jnp.where(dep, jnp.zeros_like(x), x)
+
+
 def follow_param(param, make: Callable[[], Any]):
   """``make()`` (a state subtree of one parameter), placed like ``param``.
 
@@ -213,6 +258,8 @@ def follow_param(param, make: Callable[[], Any]):
   """
   sharding = leaf_sharding(param, replicated=not _is_tracer(param))
   if sharding is None:
+    if _is_tracer(param) and _on_auto_mesh(param):
+      return jax.tree.map(functools.partial(tie_to_param, param), make())
     return make()
   out = shardings_like_param(sharding, tuple(param.shape), jax.eval_shape(make))
   if _is_tracer(param):

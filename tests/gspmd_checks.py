@@ -1,0 +1,121 @@
+"""Auto-axis (classic GSPMD) checks on 8 virtual CPU devices; run by
+tests/test_gspmd_auto.py (issue 18).
+
+The Flax Linen / MaxText flow: ``jax.sharding.Mesh(devices, names)`` (Auto
+axes), params committed with ``NamedSharding`` and ``jax.jit(tx.init)(params)``
+with no ``out_shardings``. Prints one ``RESULTS <json>`` line (see
+tests/sharding_checks.py, whose helpers this reuses).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sharding_checks as sc  # noqa: E402  (sets the 8-device XLA_FLAGS first)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import optax4bit  # noqa: E402
+
+SHAPE = (512, 1024)  # the issue's parameter `a`
+
+
+def _mesh():
+  return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+
+def _state_bytes(state, per_device: bool) -> int:
+  total = 0
+  for x in jax.tree.leaves(state):
+    if per_device:
+      total += max(s.data.nbytes for s in x.addressable_shards)
+    else:
+      total += x.nbytes
+  return total
+
+
+def _quantized_leaves(state):
+  return [x for x in jax.tree.leaves(state, is_leaf=optax4bit.is_quantized)
+          if optax4bit.is_quantized(x)]
+
+
+def jit_init_placement():
+  """Specs and bytes per device of ``jax.jit(tx.init)(params)``."""
+  mesh = _mesh()
+  sh = NamedSharding(mesh, P("data", "model"))
+  params = {"a": jax.device_put(jax.random.normal(jax.random.key(0), SHAPE) * 0.1, sh)}
+  out = {}
+  for name, tx in (("adamw_4bit", optax4bit.adamw_4bit(1e-3)),
+                   ("adamw_4bit_factor", optax4bit.adamw_4bit_factor(1e-3)),
+                   ("sgdm_4bit", optax4bit.sgdm_4bit(1e-2)),
+                   ("optax_adamw", optax.adamw(1e-3))):
+    state = jax.jit(tx.init)(params)
+    want = optax4bit.state_shardings(tx, params)
+    arrays = [x for x in jax.tree.leaves(state) if x.ndim == 2]
+    wanted = [w for x, w in zip(jax.tree.leaves(state), jax.tree.leaves(want)) if x.ndim == 2]
+    out[name] = {
+        "specs": [str(x.sharding.spec) if isinstance(x.sharding, NamedSharding)
+                  else type(x.sharding).__name__ for x in arrays],
+        "want": [str(w.spec) for w in wanted],
+        "shard_shapes": [list(x.addressable_shards[0].data.shape) for x in arrays],
+        "bytes_total": _state_bytes(arrays, per_device=False),
+        "bytes_per_device": _state_bytes(arrays, per_device=True),
+    }
+  return out
+
+
+def _sharded_specs_ok(state, want):
+  got = sc.specs_of([x for x in jax.tree.leaves(state) if x.ndim >= 1])
+  exp = sc.specs_of([w for x, w in zip(jax.tree.leaves(state), jax.tree.leaves(want))
+                     if x.ndim >= 1])
+  return got == exp
+
+
+def auto_flow(wrap: bool, steps: int = 3):
+  """``jax.jit(tx.init)(params)`` then a jitted step, with or without
+  `shard_optimizer` around the update: placement, HLO collectives, bits."""
+  mesh = _mesh()
+  shardings = {k: NamedSharding(mesh, s) for k, s in sc.SPECS.items()}
+  params = sc.make_params()
+  base = sc.adamw_chain(sc.CHUNK)
+  expected = sc.reference("adamw", sc.adamw_chain(None), params, steps)
+  tx = optax4bit.shard_optimizer(base, shardings) if wrap else base
+  want = optax4bit.state_shardings(base, params, shardings)
+  sparams = jax.device_put(params, shardings)
+  state = jax.jit(base.init)(sparams)          # no out_shardings, no wrapper
+  placed = _sharded_specs_ok(state, want)
+  step = jax.jit(sc.make_step(tx), donate_argnums=(0, 1))
+  hlo = step.lower(sparams, state, 0).compile().as_text()
+  for i in range(steps):
+    sparams, state = step(sparams, state, i)
+  colls = sc.collectives(hlo)
+  # A gather is state-sized if its result holds a whole row block of a
+  # quantized leaf or more (its rank-1 statistics are at most 8192 floats).
+  state_sized = sorted({n for k, n in colls if k != "all-reduce" and n > 8192})
+  return {
+      "placed": placed,
+      "kept": _sharded_specs_ok(state, want),
+      "collective_kinds": sorted({k for k, _ in colls}),
+      "largest_collective": max([n for _, n in colls] or [0]),
+      "state_sized_gathers": state_sized,
+      "params_diff": sc.tree_equal(sparams, expected[0]),
+      "state_diff": sc.tree_equal(state, expected[1]),
+  }
+
+
+CHECKS = {
+    "jit_init_placement": jit_init_placement,
+    "auto_wrapped": lambda: auto_flow(wrap=True),
+    "auto_unwrapped": lambda: auto_flow(wrap=False),
+}
+
+
+if __name__ == "__main__":
+  sc.main(sys.argv[1:], CHECKS)
