@@ -205,15 +205,18 @@ def shardings_like_param(sharding: NamedSharding, param_shape: tuple, tree):
       sharding.mesh, state_partition_spec(sharding.spec, param_shape, tuple(x.shape))), tree)
 
 
-def _on_auto_mesh(x) -> bool:
-  """Whether traced ``x`` lives on a mesh of several devices with ``Auto``
-  axes (classic GSPMD): its type names the mesh but not the spec."""
+def on_auto_mesh(x) -> bool:
+  """Whether ``x`` is traced on a mesh of several devices whose axes are all
+  ``Auto`` (classic GSPMD) and its spec is unknown: its type names the mesh
+  but not how ``x`` is split."""
+  if not _is_tracer(x) or leaf_sharding(x) is not None:
+    return False
   try:
     mesh = jax.typeof(x).sharding.mesh
   except AttributeError:
     return False
   return (not mesh.empty and mesh.size > 1
-          and any(t == AxisType.Auto for t in mesh.axis_types))
+          and all(t == AxisType.Auto for t in mesh.axis_types))
 
 
 def tie_to_param(param, x):
@@ -258,7 +261,7 @@ def follow_param(param, make: Callable[[], Any]):
   """
   sharding = leaf_sharding(param, replicated=not _is_tracer(param))
   if sharding is None:
-    if _is_tracer(param) and _on_auto_mesh(param):
+    if on_auto_mesh(param):
       return jax.tree.map(functools.partial(tie_to_param, param), make())
     return make()
   out = shardings_like_param(sharding, tuple(param.shape), jax.eval_shape(make))
@@ -338,6 +341,8 @@ def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts:
   keys = (None,) * len(moments) if keys is None else tuple(keys)
   sharding = leaf_sharding(grad)
   if sharding is None:
+    if on_auto_mesh(grad):
+      return None  # the jnp path learns the sharding from XLA (`optax4bit._gspmd`)
     return local_update(grad, moments, side, keys, None, consts)
   if not hashes_global_index and any(k is not None for k in keys):
     return None

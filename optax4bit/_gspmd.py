@@ -1,0 +1,107 @@
+"""Per-shard leaf updates on ``Auto`` meshes (classic GSPMD), without a wrapper.
+
+Under ``jit`` on a ``jax.sharding.Mesh(devices, names)`` a traced leaf names
+its mesh but not its ``PartitionSpec``: at trace time nobody knows how it is
+sharded. XLA does, when it partitions the program. `run_auto` wraps one
+leaf's update in ``jax.experimental.custom_partitioning``: XLA's partitioner
+calls back with the gradient's actual sharding, and the callback returns the
+same per-shard update `optax4bit.sharding.per_shard` runs under
+``shard_map`` (local chunks, rank-1/tensor scales reduced with ``pmax``,
+stochastic rounding hashing global indices). Nothing state-sized is gathered
+and the bits equal the single-device run's. A replicated leaf (data
+parallelism) runs the ordinary update on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Callable
+
+import jax
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from optax4bit import sharding as _sharding
+from optax4bit.quant.array import QuantizedArray
+
+
+def _identity(scales, layout):
+  del layout
+  return scales
+
+
+def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tuple,
+             consts: tuple):
+  """``local_update`` (see `optax4bit.sharding.per_shard`) on one leaf whose
+  sharding XLA will choose; returns ``(update, new_moments)``."""
+  shape = tuple(grad.shape)
+  raw = tuple((m.codes, tuple(m.scales)) if isinstance(m, QuantizedArray) else m
+              for m in moments)
+  info = tuple((m.spec, m.dtype) if isinstance(m, QuantizedArray) else None for m in moments)
+  impls = tuple(None if k is None else jax.random.key_impl(k) for k in keys)
+  key_data = tuple(None if k is None else jax.random.key_data(k) for k in keys)
+
+  def moments_of(raw_moments, leaf_shape):
+    return tuple(r if i is None else QuantizedArray(r[0], tuple(r[1]), i[0], leaf_shape, i[1])
+                 for r, i in zip(raw_moments, info))
+
+  def run(reduce, leaf_shape, g, raw_moments, side_, data, consts_):
+    keys_ = tuple(None if d is None else jax.random.wrap_key_data(d, impl=i)
+                  for d, i in zip(data, impls))
+    update, new = local_update(g, moments_of(raw_moments, leaf_shape), side_, keys_, reduce,
+                               consts_)
+    return update, tuple((m.codes, tuple(m.scales)) if isinstance(m, QuantizedArray) else m
+                         for m in new)
+
+  args = (grad, raw, tuple(side), key_data, tuple(consts))
+  fn = custom_partitioning(functools.partial(run, _identity, shape))
+
+  def specs(spec):
+    of = lambda x: _sharding.state_partition_spec(spec, shape, tuple(x.shape))  # noqa: E731
+    return (spec, jax.tree.map(of, raw), tuple(of(s) for s in side),
+            jax.tree.map(lambda _: PartitionSpec(), key_data),
+            tuple(PartitionSpec() for _ in consts))
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    given = arg_shapes[0].sharding
+    spec = PartitionSpec(*_sharding._padded(  # pylint: disable=protected-access
+        given.spec if isinstance(given, NamedSharding) else PartitionSpec(), len(shape)))
+    for m in moments:
+      if isinstance(m, QuantizedArray):
+        _sharding.check_alignment(m, mesh, spec)
+    arg_specs = specs(spec)
+    arg_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), arg_specs,
+                                 is_leaf=lambda s: isinstance(s, PartitionSpec))
+    out_shardings = (arg_shardings[0], arg_shardings[1])
+    entries = tuple(spec)
+    counts = _sharding._shard_counts(mesh, entries)  # pylint: disable=protected-access
+    if all(c == 1 for c in counts):
+      return mesh, functools.partial(run, _identity, shape), out_shardings, arg_shardings
+    local_shape = _sharding._local_shape(shape, counts)  # pylint: disable=protected-access
+    dim_axes = tuple(_sharding._axes(e) for e in entries)  # pylint: disable=protected-access
+
+    def lower(*a):
+      origin = tuple(jax.lax.axis_index(axes) * n if axes else 0
+                     for axes, n in zip(dim_axes, local_shape))
+      token = _sharding._SHARD_ORIGIN.set((shape, origin))  # pylint: disable=protected-access
+      try:
+        return run(functools.partial(_sharding._global_max, dim_axes),  # pylint: disable=protected-access
+                   local_shape, *a)
+      finally:
+        _sharding._SHARD_ORIGIN.reset(token)  # pylint: disable=protected-access
+
+    return mesh, lower, out_shardings, arg_shardings
+
+  # Propagation: the update has the gradient's factors, each new state array
+  # its old one's; every other dimension is a factor of its own.
+  names = (f"f{i}" for i in itertools.count())
+  flat = jax.tree.leaves(args)
+  operands = [tuple(next(names) for _ in x.shape) for x in flat]
+  out_flat = [grad] + jax.tree.leaves(raw)
+  results = [operands[0]] + operands[1:1 + len(out_flat) - 1]
+  fn.def_partition(partition=partition, sharding_rule=SdyShardingRule(
+      operand_mappings=tuple(operands), result_mappings=tuple(results)))
+  update, new_raw = fn(*args)
+  return update, moments_of(new_raw, shape)
