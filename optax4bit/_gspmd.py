@@ -19,6 +19,7 @@ import itertools
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -55,17 +56,31 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
                          for m in new)
 
   args = (grad, raw, tuple(side), key_data, tuple(consts))
-  fn = custom_partitioning(functools.partial(run, _identity, shape))
+  # custom_partitioning takes no closed-over constants (8-bit tables are):
+  # they enter as replicated operands of the one-device function.
+  closed = jax.make_jaxpr(functools.partial(run, _identity, shape))(*args)
+  out_tree = jax.tree.structure(jax.eval_shape(functools.partial(run, _identity, shape), *args))
+  tables = tuple(closed.consts)
+
+  def whole(tables_, *a):
+    flat = jax.core.eval_jaxpr(closed.jaxpr, list(tables_), *jax.tree.leaves(a))
+    return jax.tree.unflatten(out_tree, flat)
+
+  def per_shard_of(reduce, leaf_shape):
+    return lambda tables_, *a: run(reduce, leaf_shape, *a)
+
+  fn = custom_partitioning(whole)
 
   def specs(spec):
     of = lambda x: _sharding.state_partition_spec(spec, shape, tuple(x.shape))  # noqa: E731
-    return (spec, jax.tree.map(of, raw), tuple(of(s) for s in side),
+    return (tuple(PartitionSpec() for _ in tables), spec, jax.tree.map(of, raw),
+            tuple(of(s) for s in side),
             jax.tree.map(lambda _: PartitionSpec(), key_data),
             tuple(PartitionSpec() for _ in consts))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    given = arg_shapes[0].sharding
+    given = arg_shapes[1].sharding
     spec = PartitionSpec(*_sharding._padded(  # pylint: disable=protected-access
         given.spec if isinstance(given, NamedSharding) else PartitionSpec(), len(shape)))
     for m in moments:
@@ -74,15 +89,16 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
     arg_specs = specs(spec)
     arg_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), arg_specs,
                                  is_leaf=lambda s: isinstance(s, PartitionSpec))
-    out_shardings = (arg_shardings[0], arg_shardings[1])
+    out_shardings = (arg_shardings[1], arg_shardings[2])
     entries = tuple(spec)
     counts = _sharding._shard_counts(mesh, entries)  # pylint: disable=protected-access
     if all(c == 1 for c in counts):
-      return mesh, functools.partial(run, _identity, shape), out_shardings, arg_shardings
+      return mesh, per_shard_of(_identity, shape), out_shardings, arg_shardings
     local_shape = _sharding._local_shape(shape, counts)  # pylint: disable=protected-access
     dim_axes = tuple(_sharding._axes(e) for e in entries)  # pylint: disable=protected-access
 
-    def lower(*a):
+    def lower(tables_, *a):
+      del tables_
       origin = tuple(jax.lax.axis_index(axes) * n if axes else 0
                      for axes, n in zip(dim_axes, local_shape))
       token = _sharding._SHARD_ORIGIN.set((shape, origin))  # pylint: disable=protected-access
@@ -97,11 +113,10 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
   # Propagation: the update has the gradient's factors, each new state array
   # its old one's; every other dimension is a factor of its own.
   names = (f"f{i}" for i in itertools.count())
-  flat = jax.tree.leaves(args)
-  operands = [tuple(next(names) for _ in x.shape) for x in flat]
-  out_flat = [grad] + jax.tree.leaves(raw)
-  results = [operands[0]] + operands[1:1 + len(out_flat) - 1]
+  operands = [tuple(next(names) for _ in np.shape(x)) for x in tables + tuple(jax.tree.leaves(args))]
+  first = len(tables)  # the gradient, then the old state arrays
+  results = operands[first:first + 1 + len(jax.tree.leaves(raw))]
   fn.def_partition(partition=partition, sharding_rule=SdyShardingRule(
       operand_mappings=tuple(operands), result_mappings=tuple(results)))
-  update, new_raw = fn(*args)
+  update, new_raw = fn(tables, *args)
   return update, moments_of(new_raw, shape)

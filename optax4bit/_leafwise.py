@@ -213,7 +213,8 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
   num_rows = grad.shape[0] if grad.ndim else 1
   # At least two chunks, for the same reason as in `update_leaf`.
   rows = min(max(1, chunk_size // max(math.prod(grad.shape[1:]), 1)), -(-num_rows // 2))
-  if grad.ndim == 0 or num_rows < 2 or _sharding.leaf_sharding(grad) is not None:
+  if (grad.ndim == 0 or num_rows < 2 or _sharding.leaf_sharding(grad) is not None
+      or _sharding.on_auto_mesh(grad)):  # XLA partitions whole-leaf sums
     row_stats, totals = sums_fn(grad.astype(jnp.float32))
     return grad, row_stats, totals
   offset = _ROW_OFFSET.get()

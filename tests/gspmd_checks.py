@@ -78,14 +78,14 @@ def _sharded_specs_ok(state, want):
   return got == exp
 
 
-def auto_flow(wrap: bool, steps: int = 3):
+def auto_flow(wrap: bool, name: str = "adamw", make_tx=sc.adamw_chain, steps: int = 3):
   """``jax.jit(tx.init)(params)`` then a jitted step, with or without
   `shard_optimizer` around the update: placement, HLO collectives, bits."""
   mesh = _mesh()
   shardings = {k: NamedSharding(mesh, s) for k, s in sc.SPECS.items()}
   params = sc.make_params()
-  base = sc.adamw_chain(sc.CHUNK)
-  expected = sc.reference("adamw", sc.adamw_chain(None), params, steps)
+  base = make_tx(sc.CHUNK)
+  expected = sc.reference(name, make_tx(None), params, steps)
   tx = optax4bit.shard_optimizer(base, shardings) if wrap else base
   want = optax4bit.state_shardings(base, params, shardings)
   sparams = jax.device_put(params, shardings)
@@ -106,7 +106,36 @@ def auto_flow(wrap: bool, steps: int = 3):
       "largest_collective": max([n for _, n in colls] or [0]),
       "state_sized_gathers": state_sized,
       "params_diff": sc.tree_equal(sparams, expected[0]),
+      "params_max_rel": sc.max_rel_diff(sparams, expected[0]),
       "state_diff": sc.tree_equal(state, expected[1]),
+  }
+
+
+def issue_default():
+  """Issue 18 verbatim: ``a`` 512x1024 on P("data", "model"), default
+  `adamw_4bit` (whose CPU kernel declines Auto-axis leaves)."""
+  mesh = _mesh()
+  params = {"a": jax.device_put(jax.random.normal(jax.random.key(1), SHAPE) * 0.1,
+                                NamedSharding(mesh, P("data", "model")))}
+  tx = optax4bit.adamw_4bit(1e-3)
+  state = jax.jit(tx.init)(params)
+
+  def step(p, s):
+    u, s = tx.update(jax.tree.map(jnp.sin, p), s, p)
+    return optax.apply_updates(p, u), s
+
+  hlo = jax.jit(step).lower(params, state).compile().as_text()
+  new_params, new_state = jax.jit(step)(params, state)
+  local = jax.device_put(params, jax.devices()[0])
+  want = jax.jit(step)(local, jax.jit(tx.init)(local))
+  colls = sc.collectives(hlo)
+  return {
+      "codes_spec": str(state[0].mu["a"].codes.sharding.spec),
+      "codes_shard_shape": list(state[0].mu["a"].codes.addressable_shards[0].data.shape),
+      "new_codes_spec": str(new_state[0].mu["a"].codes.sharding.spec),
+      "collectives": sorted({f"{k} {n}" for k, n in colls}),
+      "params_diff": sc.tree_equal(new_params, want[0]),
+      "state_diff": sc.tree_equal(new_state, want[1]),
   }
 
 
@@ -114,6 +143,14 @@ CHECKS = {
     "jit_init_placement": jit_init_placement,
     "auto_wrapped": lambda: auto_flow(wrap=True),
     "auto_unwrapped": lambda: auto_flow(wrap=False),
+    "issue_default": issue_default,
+    "factor_unwrapped": lambda: auto_flow(False, "factor", lambda c: optax4bit.adamw_4bit_factor(
+        1e-3, chunk_size=c)),
+    "sgdm_unwrapped": lambda: auto_flow(False, "sgdm", lambda c: optax4bit.sgdm_4bit(
+        1e-2, chunk_size=c)),
+    "adamw8_unwrapped": lambda: auto_flow(False, "adamw8", lambda c: optax4bit.adamw_8bit(
+        1e-3, chunk_size=c)),
+    "lion_unwrapped": lambda: auto_flow(False, "lion", lambda c: optax4bit.lion_4bit(1e-4)),
 }
 
 
