@@ -25,12 +25,14 @@ How the optimizer learns the sharding:
 * **Concrete arrays** (``tx.init`` called outside ``jit``): the state is created
   directly sharded like each parameter's ``NamedSharding``.
 * **Auto sharding** (``jax.sharding.Mesh(...)``, ``AxisType.Auto``): types
-  inside ``jit`` carry nothing. Build the state with
-  ``jax.jit(tx.init, out_shardings=state_shardings(tx, params, shardings))``
-  and wrap the optimizer with `shard_optimizer` so that updates run per shard.
-  Without the wrapper results are still correct (XLA partitions the update
-  itself), but leaves larger than ``chunk_size`` that are sharded along axis 0
-  get all-gathered by the chunk loop.
+  inside ``jit`` name the mesh but not the spec. ``jax.jit(tx.init)(params)``
+  ties each state array to its parameter by a data dependence
+  (`tie_to_param`), so XLA's sharding propagation places it like the
+  parameter; each leaf's update is a ``custom_partitioning`` call
+  (``optax4bit._gspmd``) whose partition callback receives the gradient's
+  sharding from XLA and runs the per-shard update below. Fused kernels decline
+  such leaves (the jnp path runs). `shard_optimizer` states the shardings up
+  front instead (and keeps the kernels).
 
 Per shard, each leaf runs the ordinary update on its local block (in chunks of
 local rows): block-wise scales are local, rank-1 and tensor scales are
@@ -514,9 +516,10 @@ def shard_optimizer(tx: optax.GradientTransformation,
                     param_shardings) -> optax.GradientTransformationExtraArgs:
   """Wraps ``tx`` so that its state and update follow ``param_shardings``.
 
-  Needed only with ``Auto`` mesh axes (``jax.sharding.Mesh(devices, names)``),
-  whose traced arrays do not say how they are sharded; with explicit axes
-  (``jax.make_mesh`` in JAX >= 0.7) ``tx`` already follows the parameters.
+  Optional: with ``Auto`` mesh axes (``jax.sharding.Mesh(devices, names)``)
+  an unwrapped ``tx`` learns the shardings from XLA (see the module
+  docstring) and with explicit axes from the array types. The wrapper states
+  them up front, which keeps the fused kernels on sharded leaves.
   ``init`` returns the state sharded by `state_shardings`; ``update`` runs
   ``tx.update`` with the mesh axes made explicit
   (``jax.sharding.explicit_axes``), so that every sharded leaf is updated per

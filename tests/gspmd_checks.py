@@ -139,11 +139,53 @@ def issue_default():
   }
 
 
+def replicated_and_misaligned():
+  """Data parallelism (P() params on an Auto mesh) runs as on one device;
+  a leaf whose blocks would straddle shards raises optax4bit's error."""
+  mesh = _mesh()
+  out = {}
+  params = {"a": jax.device_put(jnp.full(SHAPE, 0.1), NamedSharding(mesh, P()))}
+  tx = optax4bit.adamw_4bit(1e-3, implementation="jnp")
+  state = jax.jit(tx.init)(params)
+  step = jax.jit(lambda p, s: tx.update(p, s, p))
+  hlo = step.lower(params, state).compile().as_text()
+  upd, _ = step(params, state)
+  local = jax.device_put(params, jax.devices()[0])
+  want, _ = step(local, jax.jit(tx.init)(local))
+  out["replicated_collectives"] = sorted({k for k, _ in sc.collectives(hlo)})
+  out["replicated_diff"] = sc.tree_equal(upd, want)
+  params = {"w": jax.device_put(jnp.zeros((256, 384)), NamedSharding(mesh, P(None, "model")))}
+  try:
+    state = jax.jit(tx.init)(params)
+    jax.jit(lambda p, s: tx.update(p, s, p))(params, state)
+    out["misaligned_error"] = None
+  except Exception as e:  # pylint: disable=broad-except  (XLA wraps the callback's error)
+    out["misaligned_error"] = f"{type(e).__name__}: {e}"[:600]
+  return out
+
+
+def temp_bytes():
+  """Compiled temp bytes of the update, unwrapped vs `shard_optimizer`."""
+  mesh = _mesh()
+  shardings = {k: NamedSharding(mesh, s) for k, s in sc.SPECS.items()}
+  params = jax.device_put(sc.make_params(), shardings)
+  out = {}
+  for name, wrap in (("unwrapped", False), ("shard_optimizer", True)):
+    base = sc.adamw_chain(sc.CHUNK)
+    tx = optax4bit.shard_optimizer(base, shardings) if wrap else base
+    state = jax.jit(base.init)(params)
+    step = jax.jit(sc.make_step(tx), donate_argnums=(0, 1))
+    out[name] = step.lower(params, state, 0).compile().memory_analysis().temp_size_in_bytes
+  return out
+
+
 CHECKS = {
     "jit_init_placement": jit_init_placement,
     "auto_wrapped": lambda: auto_flow(wrap=True),
     "auto_unwrapped": lambda: auto_flow(wrap=False),
     "issue_default": issue_default,
+    "replicated_and_misaligned": replicated_and_misaligned,
+    "temp_bytes": temp_bytes,
     "factor_unwrapped": lambda: auto_flow(False, "factor", lambda c: optax4bit.adamw_4bit_factor(
         1e-3, chunk_size=c)),
     "sgdm_unwrapped": lambda: auto_flow(False, "sgdm", lambda c: optax4bit.sgdm_4bit(
