@@ -81,32 +81,20 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
     given = arg_shapes[1].sharding
-    spec = PartitionSpec(*_sharding._padded(  # pylint: disable=protected-access
-        given.spec if isinstance(given, NamedSharding) else PartitionSpec(), len(shape)))
+    spec, local_shape, as_shard = _sharding.shard_runner(
+        mesh, given.spec if isinstance(given, NamedSharding) else PartitionSpec(), shape)
     for m in moments:
       if isinstance(m, QuantizedArray):
         _sharding.check_alignment(m, mesh, spec)
-    arg_specs = specs(spec)
-    arg_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), arg_specs,
+    arg_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(spec),
                                  is_leaf=lambda s: isinstance(s, PartitionSpec))
     out_shardings = (arg_shardings[1], arg_shardings[2])
-    entries = tuple(spec)
-    counts = _sharding._shard_counts(mesh, entries)  # pylint: disable=protected-access
-    if all(c == 1 for c in counts):
+    if local_shape == shape:  # replicated: the whole update on every device
       return mesh, per_shard_of(_identity, shape), out_shardings, arg_shardings
-    local_shape = _sharding._local_shape(shape, counts)  # pylint: disable=protected-access
-    dim_axes = tuple(_sharding._axes(e) for e in entries)  # pylint: disable=protected-access
 
     def lower(tables_, *a):
       del tables_
-      origin = tuple(jax.lax.axis_index(axes) * n if axes else 0
-                     for axes, n in zip(dim_axes, local_shape))
-      token = _sharding._SHARD_ORIGIN.set((shape, origin))  # pylint: disable=protected-access
-      try:
-        return run(functools.partial(_sharding._global_max, dim_axes),  # pylint: disable=protected-access
-                   local_shape, *a)
-      finally:
-        _sharding._SHARD_ORIGIN.reset(token)  # pylint: disable=protected-access
+      return as_shard(lambda reduce: run(reduce, local_shape, *a))
 
     return mesh, lower, out_shardings, arg_shardings
 

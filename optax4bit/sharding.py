@@ -357,6 +357,29 @@ def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts:
   return per_shard(local_update, sharding, grad, moments, side, keys, consts)
 
 
+def shard_runner(mesh, param_spec: PartitionSpec, shape: tuple):
+  """``(spec, local_shape, as_shard)`` of a leaf of ``shape`` split by
+  ``param_spec`` (padded to the leaf's rank). ``as_shard(fn)`` runs
+  ``fn(reduce_scales)`` as this device's shard, inside a per-shard context
+  (``shard_map``, a ``custom_partitioning`` lowering): `shard_origin` is set
+  and ``reduce_scales`` takes rank-1/tensor maxima over the other shards."""
+  spec = PartitionSpec(*_padded(param_spec, len(shape)))
+  entries = tuple(spec)
+  local_shape = _local_shape(shape, _shard_counts(mesh, entries))
+  dim_axes = tuple(_axes(e) for e in entries)
+
+  def as_shard(fn):
+    origin = tuple(jax.lax.axis_index(axes) * n if axes else 0
+                   for axes, n in zip(dim_axes, local_shape))
+    token = _SHARD_ORIGIN.set((shape, origin))
+    try:
+      return fn(functools.partial(_global_max, dim_axes))
+    finally:
+      _SHARD_ORIGIN.reset(token)
+
+  return spec, local_shape, as_shard
+
+
 def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tuple,
               side: tuple, keys: tuple, consts: tuple = ()):
   """Runs ``local_update`` on each shard of one leaf under ``jax.shard_map``.
@@ -368,11 +391,7 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
   ``(update, new_moments)`` of the global leaf.
   """
   mesh, shape = sharding.mesh, tuple(grad.shape)
-  spec = PartitionSpec(*_padded(sharding.spec, len(shape)))
-  entries = tuple(spec)
-  counts = _shard_counts(mesh, entries)
-  local_shape = _local_shape(shape, counts)
-  dim_axes = tuple(_axes(e) for e in entries)
+  spec, local_shape, as_shard = shard_runner(mesh, sharding.spec, shape)
 
   def spec_of(x):
     return state_partition_spec(spec, shape, tuple(x.shape))
@@ -403,14 +422,8 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
                  for m in local_moments)
 
   def body(g, raw_moments, side_local, keys_local, consts_local):
-    origin = tuple(jax.lax.axis_index(axes) * n if axes else 0
-                   for axes, n in zip(dim_axes, local_shape))
-    token = _SHARD_ORIGIN.set((shape, origin))
-    try:
-      update, new = local_update(g, moments_of(raw_moments, local_shape), side_local, keys_local,
-                                 functools.partial(_global_max, dim_axes), consts_local)
-    finally:
-      _SHARD_ORIGIN.reset(token)
+    update, new = as_shard(lambda reduce: local_update(
+        g, moments_of(raw_moments, local_shape), side_local, keys_local, reduce, consts_local))
     return update, to_raw(new)
 
   def matched(x, s):
