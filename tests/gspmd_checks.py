@@ -139,6 +139,40 @@ def issue_default():
   }
 
 
+def issue_report():
+  """Issue 18's figures for RESULTS.md, public API only (so the same check
+  runs against an older optax4bit): bytes of ``a``'s 4-bit state per device
+  after ``jax.jit(tx.init)``, and the collectives of the compiled update."""
+  mesh = _mesh()
+  params = {"a": jax.device_put(jax.random.normal(jax.random.key(1), SHAPE) * 0.1,
+                                NamedSharding(mesh, P("data", "model")))}
+  out = {}
+  for impl in ("auto", "jnp"):
+    tx = optax4bit.adamw_4bit(1e-3, implementation=impl)
+    state = jax.jit(tx.init)(params)
+    arrays = [x for x in jax.tree.leaves(state) if x.ndim == 2]
+    per_device = {}
+    for x in arrays:
+      for shard in x.addressable_shards:
+        per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+
+    def step(p, s, tx=tx):
+      u, s = tx.update(jax.tree.map(jnp.sin, p), s, p)
+      return optax.apply_updates(p, u), s
+
+    hlo = jax.jit(step).lower(params, state).compile().as_text()
+    kinds = {}
+    for line in hlo.splitlines():
+      m = sc.COLLECTIVE.search(line)
+      if m:
+        name = f"{m.group(2)} {m.group(1).split('{')[0]}"
+        kinds[name] = kinds.get(name, 0) + 1
+    out[impl] = {"bytes_total": sum(x.nbytes for x in arrays),
+                 "bytes_max_per_device": max(per_device.values()),
+                 "devices_holding": len(per_device), "collectives": kinds}
+  return out
+
+
 def replicated_and_misaligned():
   """Data parallelism (P() params on an Auto mesh) runs as on one device;
   a leaf whose blocks would straddle shards raises optax4bit's error."""
@@ -186,6 +220,7 @@ CHECKS = {
     "issue_default": issue_default,
     "replicated_and_misaligned": replicated_and_misaligned,
     "temp_bytes": temp_bytes,
+    "issue_report": issue_report,
     "factor_unwrapped": lambda: auto_flow(False, "factor", lambda c: optax4bit.adamw_4bit_factor(
         1e-3, chunk_size=c)),
     "sgdm_unwrapped": lambda: auto_flow(False, "sgdm", lambda c: optax4bit.sgdm_4bit(
