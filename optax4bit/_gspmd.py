@@ -58,8 +58,9 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
   args = (grad, raw, tuple(side), key_data, tuple(consts))
   # custom_partitioning takes no closed-over constants (8-bit tables are):
   # they enter as replicated operands of the one-device function.
-  closed = jax.make_jaxpr(functools.partial(run, _identity, shape))(*args)
-  out_tree = jax.tree.structure(jax.eval_shape(functools.partial(run, _identity, shape), *args))
+  closed, out_shapes = jax.make_jaxpr(functools.partial(run, _identity, shape),
+                                      return_shape=True)(*args)
+  out_tree = jax.tree.structure(out_shapes)
   tables = tuple(closed.consts)
 
   def whole(tables_, *a):
