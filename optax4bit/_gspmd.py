@@ -79,11 +79,20 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
             jax.tree.map(lambda _: PartitionSpec(), key_data),
             tuple(PartitionSpec() for _ in consts))
 
+  def given_spec(arg_shapes):
+    given = arg_shapes[1].sharding  # the gradient's
+    return given.spec if isinstance(given, NamedSharding) else PartitionSpec()
+
+  def infer(mesh, arg_shapes, result_shape):  # the GSPMD partitioner's propagation
+    del result_shape
+    spec, _, _ = _sharding.shard_runner(mesh, given_spec(arg_shapes), shape)
+    specs_ = specs(spec)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), (specs_[1], specs_[2]),
+                        is_leaf=lambda s: isinstance(s, PartitionSpec))
+
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    given = arg_shapes[1].sharding
-    spec, local_shape, as_shard = _sharding.shard_runner(
-        mesh, given.spec if isinstance(given, NamedSharding) else PartitionSpec(), shape)
+    spec, local_shape, as_shard = _sharding.shard_runner(mesh, given_spec(arg_shapes), shape)
     for m in moments:
       if isinstance(m, QuantizedArray):
         _sharding.check_alignment(m, mesh, spec)
@@ -102,10 +111,12 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
   # Propagation: the update has the gradient's factors, each new state array
   # its old one's; every other dimension is a factor of its own.
   names = (f"f{i}" for i in itertools.count())
-  operands = [tuple(next(names) for _ in np.shape(x)) for x in tables + tuple(jax.tree.leaves(args))]
+  operands = [tuple(next(names) for _ in np.shape(x))
+              for x in tables + tuple(jax.tree.leaves(args))]
   first = len(tables)  # the gradient, then the old state arrays
   results = operands[first:first + 1 + len(jax.tree.leaves(raw))]
-  fn.def_partition(partition=partition, sharding_rule=SdyShardingRule(
-      operand_mappings=tuple(operands), result_mappings=tuple(results)))
+  fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=SdyShardingRule(
+                       operand_mappings=tuple(operands), result_mappings=tuple(results)))
   update, new_raw = fn(tables, *args)
   return update, moments_of(new_raw, shape)
