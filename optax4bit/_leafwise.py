@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit import _gspmd
 from optax4bit import sharding as _sharding
 from optax4bit._validation import DEFAULT_CHUNK_SIZE
 from optax4bit.quant import array as qarray
@@ -167,12 +168,15 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
   keys = tuple(keys) if keys is not None else (None,) * len(moments)
   if reduce_scales is None:
     sharding = _sharding.leaf_sharding(grad)
-    if sharding is not None:
+    auto = sharding is None and _sharding.on_auto_mesh(grad)
+    if sharding is not None or auto:
       rebuild, consts = _sharding.hoist_partial(step_fn)
       # The row offset (a traced 0 that orders leaves) enters as a const too.
       local = functools.partial(_local_update, rebuild, chunk_size)
-      return _sharding.per_shard(local, sharding, grad, moments, side, keys,
-                                 consts + (jnp.asarray(_ROW_OFFSET.get(), jnp.int32),))
+      consts = consts + (jnp.asarray(_ROW_OFFSET.get(), jnp.int32),)
+      if auto:  # Auto mesh axes: XLA's partitioner tells the sharding (`_gspmd`)
+        return _gspmd.run_auto(local, grad, moments, side, keys, consts)
+      return _sharding.per_shard(local, sharding, grad, moments, side, keys, consts)
   plans = tuple(_plan(m) for m in moments)
   num_rows = grad.shape[0] if grad.ndim else 1
   rows = _chunk_rows(grad.shape, plans, chunk_size) if grad.ndim else num_rows
@@ -209,7 +213,8 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
   num_rows = grad.shape[0] if grad.ndim else 1
   # At least two chunks, for the same reason as in `update_leaf`.
   rows = min(max(1, chunk_size // max(math.prod(grad.shape[1:]), 1)), -(-num_rows // 2))
-  if grad.ndim == 0 or num_rows < 2 or _sharding.leaf_sharding(grad) is not None:
+  if (grad.ndim == 0 or num_rows < 2 or _sharding.leaf_sharding(grad) is not None
+      or _sharding.on_auto_mesh(grad)):  # XLA partitions whole-leaf sums
     row_stats, totals = sums_fn(grad.astype(jnp.float32))
     return grad, row_stats, totals
   offset = _ROW_OFFSET.get()
@@ -485,9 +490,10 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce
 def stored_value(x: jax.Array) -> jax.Array:
   """A scalar that XLA can only compute once ``x`` exists: its first element,
   or under explicit sharding (which forbids picking one element of a sharded
-  axis) its maximum, a scalar all-reduce."""
-  if _sharding.leaf_sharding(x) is not None:
-    return jnp.max(x)
+  axis) and on ``Auto`` mesh axes (where the flattening reshape would gather
+  a split array) its maximum, a scalar all-reduce."""
+  if _sharding.leaf_sharding(x) is not None or _sharding.on_auto_mesh(x):
+    return jnp.max(x)  # on Auto axes: a reshape would gather a split array
   return x.reshape(-1)[0]
 
 
@@ -513,7 +519,8 @@ def _zero_after(result):
   candidates = written_last or ([] if update is None else [update])
   if not candidates or not isinstance(candidates[0], jax.core.Tracer):
     return 0
-  if _sharding.leaf_sharding(candidates[0]) is not None:
+  if (_sharding.leaf_sharding(candidates[0]) is not None
+      or _sharding.on_auto_mesh(candidates[0])):
     candidates = [min(candidates, key=lambda x: x.size)]  # the cheapest to reduce
   else:
     # One element of each array: moments encoded by separate computations

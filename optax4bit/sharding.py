@@ -25,12 +25,14 @@ How the optimizer learns the sharding:
 * **Concrete arrays** (``tx.init`` called outside ``jit``): the state is created
   directly sharded like each parameter's ``NamedSharding``.
 * **Auto sharding** (``jax.sharding.Mesh(...)``, ``AxisType.Auto``): types
-  inside ``jit`` carry nothing. Build the state with
-  ``jax.jit(tx.init, out_shardings=state_shardings(tx, params, shardings))``
-  and wrap the optimizer with `shard_optimizer` so that updates run per shard.
-  Without the wrapper results are still correct (XLA partitions the update
-  itself), but leaves larger than ``chunk_size`` that are sharded along axis 0
-  get all-gathered by the chunk loop.
+  inside ``jit`` name the mesh but not the spec. ``jax.jit(tx.init)(params)``
+  ties each state array to its parameter by a data dependence
+  (`tie_to_param`), so XLA's sharding propagation places it like the
+  parameter; each leaf's update is a ``custom_partitioning`` call
+  (``optax4bit._gspmd``) whose partition callback receives the gradient's
+  sharding from XLA and runs the per-shard update below. Fused kernels decline
+  such leaves (the jnp path runs). `shard_optimizer` states the shardings up
+  front instead (and keeps the kernels).
 
 Per shard, each leaf runs the ordinary update on its local block (in chunks of
 local rows): block-wise scales are local, rank-1 and tensor scales are
@@ -60,6 +62,7 @@ import math
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -204,6 +207,53 @@ def shardings_like_param(sharding: NamedSharding, param_shape: tuple, tree):
       sharding.mesh, state_partition_spec(sharding.spec, param_shape, tuple(x.shape))), tree)
 
 
+def on_auto_mesh(x) -> bool:
+  """Whether ``x`` is traced on a mesh of several devices whose axes are all
+  ``Auto`` (classic GSPMD) and its spec is unknown: its type names the mesh
+  but not how ``x`` is split."""
+  if not _is_tracer(x) or leaf_sharding(x) is not None:
+    return False
+  try:
+    mesh = jax.typeof(x).sharding.mesh
+  except AttributeError:
+    return False
+  return (not mesh.empty and mesh.size > 1
+          and all(t == AxisType.Auto for t in mesh.axis_types))
+
+
+def tie_to_param(param, x):
+  """``x`` unchanged, made data-dependent on ``param`` so that XLA's sharding
+  propagation places it like ``param`` (see `state_partition_spec`).
+
+  Under ``jit`` on an ``Auto`` mesh a traced parameter does not say how it
+  is sharded, and a state created from constants would come out of ``jit``
+  on one device. Each axis of ``x`` is linked to the same axis of ``param``:
+  taken whole if the lengths agree, strided (packed codes, block scales:
+  every 2nd or every k-th element, which keeps the shards' tiling) if
+  shorter, reduced if of length 1 (a statistic of the axis: replicated
+  along it). ``param * 0 == 1`` is False for every value, NaN and inf
+  included, and XLA does not fold it for floats; ``where`` keeps ``x``'s
+  bits. Arrays of another rank (a step count) are returned as they are."""
+  if (not hasattr(x, "shape") or len(x.shape) != len(param.shape) or not param.shape
+      or not jnp.issubdtype(param.dtype, jnp.inexact)):
+    return x
+  dep = param
+  for axis, (n, s) in enumerate(zip(param.shape, x.shape)):
+    if s == n:
+      continue
+    if s == 1:
+      dep = jnp.any(dep * 0 == 1, axis=axis, keepdims=True) if dep.dtype != jnp.bool_ else \
+          jnp.any(dep, axis=axis, keepdims=True)
+      continue
+    stride = -(-n // s)
+    if -(-n // stride) != s:
+      return x
+    dep = jax.lax.slice_in_dim(dep, 0, n, stride, axis)
+  if dep.dtype != jnp.bool_:
+    dep = dep * 0 == 1
+  return jnp.where(dep, jnp.zeros_like(x), x)
+
+
 def follow_param(param, make: Callable[[], Any]):
   """``make()`` (a state subtree of one parameter), placed like ``param``.
 
@@ -213,6 +263,8 @@ def follow_param(param, make: Callable[[], Any]):
   """
   sharding = leaf_sharding(param, replicated=not _is_tracer(param))
   if sharding is None:
+    if on_auto_mesh(param):
+      return jax.tree.map(functools.partial(tie_to_param, param), make())
     return make()
   out = shardings_like_param(sharding, tuple(param.shape), jax.eval_shape(make))
   if _is_tracer(param):
@@ -291,6 +343,8 @@ def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts:
   keys = (None,) * len(moments) if keys is None else tuple(keys)
   sharding = leaf_sharding(grad)
   if sharding is None:
+    if on_auto_mesh(grad):
+      return None  # the jnp path learns the sharding from XLA (`optax4bit._gspmd`)
     return local_update(grad, moments, side, keys, None, consts)
   if not hashes_global_index and any(k is not None for k in keys):
     return None
@@ -301,6 +355,29 @@ def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts:
   if not covers_shard(local_shape):
     return None
   return per_shard(local_update, sharding, grad, moments, side, keys, consts)
+
+
+def shard_runner(mesh, param_spec: PartitionSpec, shape: tuple):
+  """``(spec, local_shape, as_shard)`` of a leaf of ``shape`` split by
+  ``param_spec`` (padded to the leaf's rank). ``as_shard(fn)`` runs
+  ``fn(reduce_scales)`` as this device's shard, inside a per-shard context
+  (``shard_map``, a ``custom_partitioning`` lowering): `shard_origin` is set
+  and ``reduce_scales`` takes rank-1/tensor maxima over the other shards."""
+  spec = PartitionSpec(*_padded(param_spec, len(shape)))
+  entries = tuple(spec)
+  local_shape = _local_shape(shape, _shard_counts(mesh, entries))
+  dim_axes = tuple(_axes(e) for e in entries)
+
+  def as_shard(fn):
+    origin = tuple(jax.lax.axis_index(axes) * n if axes else 0
+                   for axes, n in zip(dim_axes, local_shape))
+    token = _SHARD_ORIGIN.set((shape, origin))
+    try:
+      return fn(functools.partial(_global_max, dim_axes))
+    finally:
+      _SHARD_ORIGIN.reset(token)
+
+  return spec, local_shape, as_shard
 
 
 def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tuple,
@@ -314,11 +391,7 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
   ``(update, new_moments)`` of the global leaf.
   """
   mesh, shape = sharding.mesh, tuple(grad.shape)
-  spec = PartitionSpec(*_padded(sharding.spec, len(shape)))
-  entries = tuple(spec)
-  counts = _shard_counts(mesh, entries)
-  local_shape = _local_shape(shape, counts)
-  dim_axes = tuple(_axes(e) for e in entries)
+  spec, local_shape, as_shard = shard_runner(mesh, sharding.spec, shape)
 
   def spec_of(x):
     return state_partition_spec(spec, shape, tuple(x.shape))
@@ -349,14 +422,8 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
                  for m in local_moments)
 
   def body(g, raw_moments, side_local, keys_local, consts_local):
-    origin = tuple(jax.lax.axis_index(axes) * n if axes else 0
-                   for axes, n in zip(dim_axes, local_shape))
-    token = _SHARD_ORIGIN.set((shape, origin))
-    try:
-      update, new = local_update(g, moments_of(raw_moments, local_shape), side_local, keys_local,
-                                 functools.partial(_global_max, dim_axes), consts_local)
-    finally:
-      _SHARD_ORIGIN.reset(token)
+    update, new = as_shard(lambda reduce: local_update(
+        g, moments_of(raw_moments, local_shape), side_local, keys_local, reduce, consts_local))
     return update, to_raw(new)
 
   def matched(x, s):
@@ -462,9 +529,10 @@ def shard_optimizer(tx: optax.GradientTransformation,
                     param_shardings) -> optax.GradientTransformationExtraArgs:
   """Wraps ``tx`` so that its state and update follow ``param_shardings``.
 
-  Needed only with ``Auto`` mesh axes (``jax.sharding.Mesh(devices, names)``),
-  whose traced arrays do not say how they are sharded; with explicit axes
-  (``jax.make_mesh`` in JAX >= 0.7) ``tx`` already follows the parameters.
+  Optional: with ``Auto`` mesh axes (``jax.sharding.Mesh(devices, names)``)
+  an unwrapped ``tx`` learns the shardings from XLA (see the module
+  docstring) and with explicit axes from the array types. The wrapper states
+  them up front, which keeps the fused kernels on sharded leaves.
   ``init`` returns the state sharded by `state_shardings`; ``update`` runs
   ``tx.update`` with the mesh axes made explicit
   (``jax.sharding.explicit_axes``), so that every sharded leaf is updated per
