@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -33,9 +33,13 @@ def _identity(scales, layout):
 
 
 def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tuple,
-             consts: tuple):
+             consts: tuple, covers_shard: Optional[Callable[[tuple], bool]] = None):
   """``local_update`` (see `optax4bit.sharding.per_shard`) on one leaf whose
-  sharding XLA will choose; returns ``(update, new_moments)``."""
+  sharding XLA will choose; returns ``(update, new_moments)``.
+
+  ``covers_shard(local_shape)``: for a fused kernel, whether it computes a
+  shard of that shape; where it does not, the leaf runs whole on every
+  device (XLA gathers it), as without this module."""
   shape = tuple(grad.shape)
   raw = tuple((m.codes, tuple(m.scales)) if isinstance(m, QuantizedArray) else m
               for m in moments)
@@ -93,6 +97,8 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
     spec, local_shape, as_shard = _sharding.shard_runner(mesh, given_spec(arg_shapes), shape)
+    if local_shape != shape and covers_shard is not None and not covers_shard(local_shape):
+      spec, local_shape = PartitionSpec(), shape  # the kernel needs the whole leaf
     for m in moments:
       if isinstance(m, QuantizedArray):
         _sharding.check_alignment(m, mesh, spec)

@@ -343,8 +343,13 @@ def run_fused(local_update: Callable, grad, moments: tuple, side: tuple, consts:
   keys = (None,) * len(moments) if keys is None else tuple(keys)
   sharding = leaf_sharding(grad)
   if sharding is None:
-    if on_auto_mesh(grad):
-      return None  # the jnp path learns the sharding from XLA (`optax4bit._gspmd`)
+    if on_auto_mesh(grad):  # XLA tells the sharding when it partitions (`optax4bit._gspmd`)
+      if ((not hashes_global_index and any(k is not None for k in keys))
+          or not covers_shard(tuple(grad.shape))):
+        return None
+      from optax4bit import _gspmd  # pylint: disable=g-import-not-at-top  (it imports this module)
+      return _gspmd.run_auto(local_update, grad, moments, side, keys, consts,
+                             covers_shard=covers_shard)
     return local_update(grad, moments, side, keys, None, consts)
   if not hashes_global_index and any(k is not None for k in keys):
     return None

@@ -113,7 +113,7 @@ def auto_flow(wrap: bool, name: str = "adamw", make_tx=sc.adamw_chain, steps: in
 
 def issue_default():
   """Issue 18 verbatim: ``a`` 512x1024 on P("data", "model"), default
-  `adamw_4bit` (whose CPU kernel declines Auto-axis leaves)."""
+  `adamw_4bit` (its CPU kernel, where built, runs per shard)."""
   mesh = _mesh()
   params = {"a": jax.device_put(jax.random.normal(jax.random.key(1), SHAPE) * 0.1,
                                 NamedSharding(mesh, P("data", "model")))}
@@ -137,6 +137,39 @@ def issue_default():
       "params_diff": sc.tree_equal(new_params, want[0]),
       "state_diff": sc.tree_equal(new_state, want[1]),
   }
+
+
+def auto_kernels():
+  """The issue's case with the fused kernels (the CPU kernel, and Pallas in
+  interpret mode): per shard, sharded like the param, bitwise equal to one
+  device; and data parallelism (P() params) runs them whole on every device."""
+  mesh = _mesh()
+  out = {}
+  for impl in ("cpu", "pallas_interpret"):
+    if impl == "cpu" and not optax4bit.cpu.available():
+      continue
+    tx = optax4bit.adamw_4bit(1e-3, implementation=impl)
+
+    def step(p, s, tx=tx):
+      u, s = tx.update(jax.tree.map(jnp.sin, p), s, p)
+      return optax.apply_updates(p, u), s
+
+    for name, spec in (("sharded", P("data", "model")), ("replicated", P())):
+      params = {"a": jax.device_put(jax.random.normal(jax.random.key(1), SHAPE) * 0.1,
+                                    NamedSharding(mesh, spec))}
+      state = jax.jit(tx.init)(params)
+      hlo = jax.jit(step).lower(params, state).compile().as_text()
+      new_params, new_state = jax.jit(step)(params, state)
+      local = jax.device_put(params, jax.devices()[0])
+      want = jax.jit(step)(local, jax.jit(tx.init)(local))
+      out[f"{impl} {name}"] = {
+          "codes_spec": str(new_state[0].mu["a"].codes.sharding.spec),
+          "collectives": sorted({f"{k} {n}" for k, n in sc.collectives(hlo)}),
+          "kernel_calls": hlo.count("optax4bit_adam") if impl == "cpu" else None,
+          "params_diff": sc.tree_equal(new_params, want[0]),
+          "state_diff": sc.tree_equal(new_state, want[1]),
+      }
+  return out
 
 
 def issue_report():
@@ -221,6 +254,7 @@ CHECKS = {
     "replicated_and_misaligned": replicated_and_misaligned,
     "temp_bytes": temp_bytes,
     "issue_report": issue_report,
+    "auto_kernels": auto_kernels,
     "factor_unwrapped": lambda: auto_flow(False, "factor", lambda c: optax4bit.adamw_4bit_factor(
         1e-3, chunk_size=c)),
     "sgdm_unwrapped": lambda: auto_flow(False, "sgdm", lambda c: optax4bit.sgdm_4bit(

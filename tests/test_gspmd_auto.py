@@ -17,7 +17,8 @@ import pytest
 from subprocess_json import TESTS, run_json
 
 SCRIPT = os.path.join(TESTS, "gspmd_checks.py")
-FAST = ("jit_init_placement", "auto_unwrapped", "issue_default", "replicated_and_misaligned")
+FAST = ("jit_init_placement", "auto_unwrapped", "issue_default", "replicated_and_misaligned",
+        "auto_kernels")
 SLOW = ("factor_unwrapped", "sgdm_unwrapped", "adamw8_unwrapped", "lion_unwrapped",
         "auto_wrapped", "temp_bytes")
 
@@ -77,6 +78,21 @@ def test_replicated_and_misaligned(fast):
   out = _value(fast, "replicated_and_misaligned")
   assert out["replicated_collectives"] == [] and out["replicated_diff"] == []
   assert "not a multiple of the block size 128" in out["misaligned_error"]
+
+
+def test_fused_kernels_run_per_shard(fast):
+  """The C++ kernel and the Pallas kernels (interpret mode) on Auto axes: per
+  shard when the param is split, whole on every device when it is
+  replicated; the same bits as one device either way."""
+  runs = _value(fast, "auto_kernels")
+  assert any(name.startswith("pallas_interpret") for name in runs)
+  for name, run in runs.items():
+    sharded = name.endswith("sharded") and not name.endswith("replicated")
+    assert run["codes_spec"] == ("P('data', 'model')" if sharded else "P()"), (name, run)
+    assert all(c.startswith("all-reduce") for c in run["collectives"]), (name, run)
+    assert run["params_diff"] == [] and run["state_diff"] == [], (name, run)
+    if run["kernel_calls"] is not None:
+      assert run["kernel_calls"] >= 2, (name, run)  # the stats and apply calls
 
 
 @pytest.mark.slow
