@@ -13,7 +13,6 @@ import json
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax4bit
 
