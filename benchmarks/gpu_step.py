@@ -13,7 +13,8 @@
    grads)`` (``tx.update`` then ``optax.apply_updates``; params, state and a
    fresh copy of the gradients donated, as in a training step) as the median of ``--steps`` (>= 50) device-synchronized calls,
    for optax.adamw, jnp 4-bit AdamW, Pallas 4-bit AdamW (``Rank-1/Linear`` v
-   and ``B128/Linear`` v), jnp and Pallas 4-bit Factor, at ~100M and ~1B
+   and ``B128/Linear`` v, and with the state offloaded to ``pinned_host`` by
+   ``optax4bit.offload_state``), jnp and Pallas 4-bit Factor, at ~100M and ~1B
    parameters, float32 and bfloat16 params.
 3. Prints the bytes a step must move at least (read grads, params and state;
    write params and state) divided by its time, against a measured
@@ -85,6 +86,11 @@ def optimizers(lr: float = 1e-3) -> dict:
       "optax.adamw": lambda: optax.adamw(lr),
       "jnp adamw_4bit": lambda: optax4bit.adamw_4bit(lr, implementation="jnp"),
       "pallas adamw_4bit": lambda: optax4bit.adamw_4bit(lr, implementation=PALLAS),
+      # The state stays in pinned_host memory between steps (tx.init puts it
+      # there; the donated step returns it there) and crosses to the device
+      # and back a leaf at a time in every step.
+      "pallas adamw_4bit offloaded": lambda: optax4bit.offload_state(
+          optax4bit.adamw_4bit(lr, implementation=PALLAS)),
       "pallas adamw_4bit paper recipe": lambda: optax4bit.adamw_4bit(
           lr, recipe="paper", implementation=PALLAS),
       "pallas adamw_4bit B128/Linear v": lambda: optax4bit.adamw_4bit(
