@@ -23,6 +23,17 @@ as large models are trained; compile time does not grow with depth). Params
 and gradients are float32. Leaves with at most 4096 elements keep fp32 moments
 (the paper's rule), the rest are quantized.
 
+"4-bit AdamW, state offloaded" is ``optax4bit.offload_state(adamw_4bit)``: the
+state is given in ``pinned_host`` memory (params on the device) and its total
+counts device memory only: the total above minus the arguments and outputs
+(less those aliased) that the compiled ``entry_computation_layout`` places in
+host memory space ``S(5)`` (``offload_memory.host_argument_bytes``), plus an
+in-flight term (``--inflight``): the CPU compiler's host <-> device transfers
+are no copies, while a GPU step holds device copies of the state leaves it is
+updating; by default 2 x the largest parameter's state (its moments copied in
+and the new moments before they go back), a leaf-at-a-time allowance, not a
+bound on what XLA's GPU scheduler may prefetch.
+
 Largest model: the family ``n_layer = k``, ``d_model = 128 k``, ``k`` heads of
 128 (the shape of GPT-3 6.7B at k = 32), searched over integer k for the
 largest total that fits each budget (24 GB and 80 GB; GB = 1e9 bytes): a
@@ -44,8 +55,10 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
+import re
 import sys
 import time
 
@@ -58,10 +71,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import optax4bit  # pylint: disable=wrong-import-position
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import offload_memory  # noqa: E402  (host_argument_bytes, ARG, _abstract)
+
 GB = 1e9
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_4bit_factor")
+# Device bytes added to an offloaded step for the state in flight on a GPU (the
+# CPU compiler's transfers are no copies, so its temp holds none of them):
+# "moments": the device copies of the largest parameter's state coming in and
+# its new state going back (2 x its mu + nu); "leaf": the largest single state
+# leaf once; "none": nothing (a lower bound). Set by --inflight.
+INFLIGHT = "moments"
+OFFLOADED = "_offloaded"  # suffix: the optimizer wrapped in optax4bit.offload_state
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_4bit_factor",
+              "adamw_4bit" + OFFLOADED)
 LABELS = {"adamw": "fp32 AdamW (optax)", "adamw_8bit": "8-bit AdamW",
-          "adamw_4bit": "4-bit AdamW", "adamw_4bit_factor": "4-bit Factor"}
+          "adamw_4bit": "4-bit AdamW", "adamw_4bit_factor": "4-bit Factor",
+          "adamw_4bit" + OFFLOADED: "4-bit AdamW, state offloaded"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,16 +163,60 @@ def loss_fn(params, tokens, cfg: GPTConfig):
 
 
 def make_optimizer(name: str) -> optax.GradientTransformation:
+  if name.endswith(OFFLOADED):
+    return optax4bit.offload_state(make_optimizer(name[:-len(OFFLOADED)]), "pinned_host")
   if name == "adamw":
     return optax.adamw(1e-4)
   return getattr(optax4bit, name)(1e-4)
 
 
+def host_output_bytes(compiled) -> tuple:
+  """(all, aliased) bytes of the compiled step's outputs in host memory space S(5)."""
+  header = re.search(r"HloModule[^\n]*", compiled.as_text()).group(0)
+  # The output tuple: after "->", up to the module's next attribute.
+  layout = re.split(r", [a-z_]+=", header.split("entry_computation_layout=", 1)[1]
+                    .split(")->", 1)[1], maxsplit=1)[0]
+  alias = re.search(r"input_output_alias=\{(.*?)\}, entry", header)
+  aliased = {int(i) for i in re.findall(r"\{(\d+)\}:", alias.group(1))} if alias else set()
+  itemsize = lambda t: 1 if t == "pred" else int(re.sub(r"\D", "", t)) // 8  # noqa: E731
+  total = shared = 0
+  for i, (dtype, dims, tail) in enumerate(offload_memory.ARG.findall(layout)):
+    if "S(5)" in tail:
+      n = math.prod(int(d) for d in dims.split(",") if d) * itemsize(dtype)
+      total, shared = total + n, shared + (n if i in aliased else 0)
+  return total, shared
+
+
+def inflight_bytes(opt_state) -> tuple:
+  """(largest state leaf, largest parameter's whole state) in bytes.
+
+  The parameter a state leaf belongs to is its path's dict keys (``mu`` and
+  ``nu`` of the same parameter, codes and scales, share it).
+  """
+  per_param, largest_leaf = {}, 0
+  for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    n = int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+    key = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+    per_param[key] = per_param.get(key, 0) + n
+    largest_leaf = max(largest_leaf, n)
+  return largest_leaf, max(per_param.values(), default=0)
+
+
 def step_memory(cfg: GPTConfig, opt_name: str) -> dict:
-  """Compiles one training step and returns its memory (bytes) and compile time."""
+  """Compiles one training step and returns its memory (bytes) and compile time.
+
+  An offloaded optimizer's state is given in ``pinned_host`` memory (params on
+  the device) and its total counts device memory only: the step's arguments
+  and outputs that the compiled entry layout places in host memory space are
+  taken out, and the in-flight term (see the module docstring) is added.
+  """
   tx = make_optimizer(opt_name)
+  offloaded = opt_name.endswith(OFFLOADED)
   params = param_shapes(cfg)
   opt_state = jax.eval_shape(tx.init, params)
+  if offloaded:
+    params = offload_memory._abstract(params, "device")  # pylint: disable=protected-access
+    opt_state = offload_memory._abstract(opt_state, "pinned_host")  # pylint: disable=protected-access
   tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32)
 
   def train_step(params, opt_state, tokens):
@@ -164,11 +233,23 @@ def step_memory(cfg: GPTConfig, opt_name: str) -> dict:
   state_bytes = optax4bit.state_nbytes(opt_state)
   total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
            + m.temp_size_in_bytes)
-  return {"config": dataclasses.asdict(cfg), "optimizer": opt_name, "params": cfg.n_params,
-          "param_bytes": param_bytes, "state_bytes": state_bytes,
-          "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-          "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
-          "total_bytes": total, "compile_s": seconds}
+  r = {"config": dataclasses.asdict(cfg), "optimizer": opt_name, "params": cfg.n_params,
+       "param_bytes": param_bytes, "state_bytes": state_bytes,
+       "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+       "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
+       "total_bytes": total, "compile_s": seconds}
+  if offloaded:
+    host_arg = offload_memory.host_argument_bytes(compiled)
+    host_out, host_alias = host_output_bytes(compiled)
+    leaf, param_state = inflight_bytes(opt_state)
+    inflight = {"moments": 2 * param_state, "leaf": leaf, "none": 0}[INFLIGHT]
+    r.update(host_argument_bytes=host_arg, host_output_bytes=host_out,
+             host_alias_bytes=host_alias, largest_state_leaf_bytes=leaf,
+             largest_param_state_bytes=param_state, inflight_term=INFLIGHT,
+             inflight_bytes=inflight,
+             device_bytes_without_inflight=total - host_arg - host_out + host_alias)
+    r["total_bytes"] = r["device_bytes_without_inflight"] + r["inflight_bytes"]
+  return r
 
 
 class MemoryCache:
@@ -229,13 +310,14 @@ def plot(path: str, rows: list) -> None:
     sub = {r["optimizer"]: r for r in rows if r["config"]["name"] == name}
     x = np.arange(len(opts))
     p = np.array([sub[o]["param_bytes"] for o in opts]) / GB
-    st = np.array([sub[o]["state_bytes"] for o in opts]) / GB
+    # An offloaded state is in host memory: not a part of its device total.
+    st = np.array([0 if o.endswith(OFFLOADED) else sub[o]["state_bytes"] for o in opts]) / GB
     tmp = np.array([sub[o]["temp_bytes"] for o in opts]) / GB
     rest = np.array([sub[o]["total_bytes"] for o in opts]) / GB - p - st - tmp
     ax.bar(x, p, label="params")
     ax.bar(x, st, bottom=p, label="optimizer state")
     ax.bar(x, tmp, bottom=p + st, label="temp: grads, activations, transients")
-    ax.bar(x, rest, bottom=p + st + tmp, label="other (batch, loss)")
+    ax.bar(x, rest, bottom=p + st + tmp, label="other (batch, loss; offloaded: in-flight state)")
     ax.set_xticks(x, [LABELS[o].replace(" (optax)", "") for o in opts], rotation=30,
                   ha="right", fontsize=8)
     ax.set_title(name, fontsize=9)
@@ -251,10 +333,13 @@ def plot(path: str, rows: list) -> None:
 
 
 def main(argv=None) -> dict:
+  global INFLIGHT  # pylint: disable=global-statement
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--budgets", type=float, nargs="+", default=[24, 80], help="GB (1e9)")
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
   parser.add_argument("--skip-table", action="store_true", help="only the largest-model search")
+  parser.add_argument("--inflight", default=INFLIGHT, choices=["moments", "leaf", "none"],
+                      help="device bytes an offloaded state adds in flight (see INFLIGHT)")
   parser.add_argument("--skip-search", action="store_true", help="only the fixed configs")
   parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                    "training_memory.json"))
@@ -263,6 +348,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--replot", action="store_true",
                       help="only redraw --plot from the results saved in --out (no compiling)")
   args = parser.parse_args(argv)
+  INFLIGHT = args.inflight
   if args.replot:
     with open(args.out) as f:
       saved = json.load(f)
@@ -274,7 +360,7 @@ def main(argv=None) -> dict:
          f"compiled for {jax.devices()[0].platform}")
   print(f"# Training-step memory, compile-only ({env})", flush=True)
   log = lambda s: print(s, flush=True)  # noqa: E731
-  out = {"environment": env}
+  out = {"environment": env, "inflight": INFLIGHT}
   mem = MemoryCache(log)
 
   if not args.skip_table:
@@ -287,9 +373,10 @@ def main(argv=None) -> dict:
       for opt in args.optimizers:
         r = mem(cfg, opt)
         rows.append(r)
+        host = " in host memory" if opt.endswith(OFFLOADED) else ""
         lines.append(f"| {cfg.name} | {r['params'] / 1e6:,.0f}M | {LABELS[opt]} "
-                     f"| {r['state_bytes'] / GB:.2f} GB ({r['state_bytes'] / r['params']:.2f} B/param) "
-                     f"| {(r['param_bytes'] + r['state_bytes']) / GB:.2f} GB "
+                     f"| {r['state_bytes'] / GB:.2f} GB ({r['state_bytes'] / r['params']:.2f} "
+                     f"B/param){host} | {(r['param_bytes'] + r['state_bytes']) / GB:.2f} GB "
                      f"| {r['temp_bytes'] / GB:.2f} GB | {r['total_bytes'] / GB:.2f} GB |")
     print()
     print("\n".join(lines), flush=True)
