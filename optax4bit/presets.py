@@ -213,14 +213,18 @@ def muon_4bit(
   momentum to about 1, so quantization noise in its small singular directions
   is amplified as much as the signal. A 4-bit momentum (``B32/NF``
   stochastic, 0.63 byte per parameter) has a relative error of 12-16% and
-  Newton-Schulz turns that into an update 60-120% off fp32's; Muon then
+  Newton-Schulz turns that into an update 67-119% off fp32's; Muon then
   trails fp32 Muon by 3.9x in loss at learning rate 1e-2 on the
   least-squares problem of benchmarks/RESULTS.md ("4-bit Muon"), and no
   4-bit block size, map or rounding reaches 1.5x there (blocks of 8: 2.75x).
-  8 bits cut the relative error to 1-2% and the update error to 10-30%:
-  1.29x at 1e-2, 1.15x at 2e-2, about 1x at 3e-2 and 1e-1. For the 4-bit
-  momentum pass ``spec_for={"MuonState.mu": "B32/NF"}`` (a `QuantSpec` with
-  ``stochastic=True`` for the stochastic variant measured there).
+  8 bits cut the relative error to 1-2% and the update error to 13-34%:
+  1.29x at 1e-2, 1.15x at 2e-2, about 1x at 3e-2 and 1e-1. Rounding to
+  nearest matters too: stochastic rounding's fresh noise at every step
+  accumulates in the momentum as a full-rank error that Newton-Schulz
+  amplifies (8-bit stochastic: 4.25x). The earlier 4-bit momentum (0.63
+  byte) is ``spec_for={"MuonState.mu": QuantSpec("block", "NF", 4,
+  signed=True, block_size=32, stochastic=True)}``; at 4 bits rounding to
+  nearest freezes the momentum (28x).
 
   Args:
     learning_rate: a float or an ``optax`` schedule.
