@@ -39,16 +39,17 @@ import optax4bit  # noqa: E402  pylint: disable=wrong-import-position
 from quantize_state_contrib import least_squares  # noqa: E402  pylint: disable=wrong-import-position
 
 Q = optax4bit.QuantSpec
-# name -> momentum quantizer; the last is muon_4bit's default (MUON_MOMENTUM).
+# name -> momentum quantizer: "B32/NF sr" is muon_4bit's default (MUON_MOMENTUM), the
+# last its 8-bit option (MUON_MOMENTUM_8BIT).
 MOMENTA = {
     "B128/NF sr": Q("block", "NF", 4, signed=True, block_size=128, stochastic=True),
-    "B32/NF sr": Q("block", "NF", 4, signed=True, block_size=32, stochastic=True),
+    "B32/NF sr": optax4bit.presets.MUON_MOMENTUM,
     "B32/NF nearest": Q("block", "NF", 4, signed=True, block_size=32),
     "B32/DE sr": Q("block", "DE", 4, signed=True, block_size=32, stochastic=True),
     "B8/NF sr": Q("block", "NF", 4, signed=True, block_size=8, stochastic=True),
     "8-bit B256/DE sr": Q("block", "DE", 8, signed=True, block_size=256, stochastic=True),
     "8-bit B256/DE nearest": Q("block", "DE", 8, signed=True, block_size=256),
-    "8-bit B2048/DE nearest": optax4bit.presets.MUON_MOMENTUM,
+    "8-bit B2048/DE nearest": optax4bit.presets.MUON_MOMENTUM_8BIT,
 }
 
 
