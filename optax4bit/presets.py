@@ -12,10 +12,13 @@ from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn, check_hyp
 from optax4bit.quant.spec import QuantSpec
 from optax4bit.wrappers import quantize_state
 
-__all__ = ["MUON_MOMENTUM", "ademamix_4bit", "lion_4bit", "muon_4bit"]
+__all__ = ["MUON_MOMENTUM", "MUON_MOMENTUM_8BIT", "ademamix_4bit", "lion_4bit", "muon_4bit"]
 
-# muon_4bit's momentum: see its docstring for why blocks of 32.
+# muon_4bit's momentum (4 bits, blocks of 32, stochastic rounding), and the
+# 8-bit one that tracks fp32 Muon at small learning rates; see its docstring.
 MUON_MOMENTUM = QuantSpec("block", "NF", bits=4, signed=True, block_size=32, stochastic=True)
+MUON_MOMENTUM_8BIT = QuantSpec("block", "DE", bits=8, signed=True, block_size=2048,
+                               stochastic=False)
 
 
 def lion_4bit(
@@ -203,16 +206,27 @@ def muon_4bit(
   momentum of each matrix (Newton-Schulz) and runs Adam on the other
   parameters (``optax.multi_transform``); both run per leaf, so the wrapper
   runs them one leaf after another. The momentum of the matrices is stored
-  ``B32/NF`` with stochastic rounding (`MUON_MOMENTUM`), Adam's moments with
-  the library's recipe (``recipe="default"``: ``B128/NF`` stochastic and
-  ``Rank-1/SqrtDE-0``; or ``"paper"``). About 0.63 byte of state per matrix
-  parameter instead of 4.
+  in 4 bits, ``B32/NF`` with stochastic rounding (`MUON_MOMENTUM`), Adam's
+  moments with the library's recipe (``recipe="default"``: ``B128/NF``
+  stochastic and ``Rank-1/SqrtDE-0``; or ``"paper"``). About 0.63 byte of
+  state per matrix parameter instead of 4.
 
-  Why smaller blocks than Adam's: Newton-Schulz maps every singular value of
-  the momentum to about 1, so quantization noise in its small singular
-  directions is amplified as much as the signal. On the least-squares problem
-  of benchmarks/RESULTS.md ("4-bit Muon"), blocks of 32 halve the gap to fp32
-  Muon that blocks of 128 leave; it still grows at small learning rates.
+  **At small learning rates a 4-bit momentum lags fp32 Muon**: on the
+  least-squares problem of benchmarks/RESULTS.md ("4-bit Muon") the loss
+  after 200 steps is 3.9x fp32 Muon's at learning rate 1e-2, 2.75x at 2e-2,
+  1.35x at 3e-2 and 1.07x at 1e-1. Newton-Schulz maps every singular value
+  of the momentum to about 1, so quantization noise in its small singular
+  directions is amplified as much as the signal: a 4-bit momentum's relative
+  error of 12-16% becomes an update 67-119% off fp32's, and no 4-bit block
+  size, map or rounding measured reaches 1.5x at 1e-2 (blocks of 8: 2.75x;
+  nearest rounding freezes the momentum: 28x). An 8-bit momentum
+  (`MUON_MOMENTUM_8BIT`: ``B2048/DE``, nearest rounding; about 1.0 byte per
+  matrix parameter, 25% of fp32 Muon's state) cuts the update error to
+  13-34% and the gap to 1.29x at 1e-2, 1.15x at 2e-2 and about 1x above:
+  ``spec_for={"MuonState.mu": optax4bit.presets.MUON_MOMENTUM_8BIT}``. Its rounding
+  must be nearest: stochastic rounding's fresh noise at every step
+  accumulates as a full-rank error that Newton-Schulz amplifies (8-bit
+  stochastic: 4.25x).
 
   Args:
     learning_rate: a float or an ``optax`` schedule.

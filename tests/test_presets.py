@@ -14,7 +14,7 @@ import pytest
 
 import optax4bit
 from optax4bit import QuantizedArray
-from optax4bit.presets import MUON_MOMENTUM
+from optax4bit.presets import MUON_MOMENTUM, MUON_MOMENTUM_8BIT
 
 muon = pytest.importorskip("optax.contrib").muon
 
@@ -46,20 +46,34 @@ def _quantized(state) -> list:
           if isinstance(x, QuantizedArray)]
 
 
-def test_muon_4bit_trains_like_muon_in_under_a_fifth_of_its_state():
-  lr = 3e-2
+def test_muon_with_the_8bit_momentum_trains_like_muon_in_under_30_percent_of_its_state():
+  lr = 1e-2  # issue 17's example; the hardest rate of benchmarks/muon.py's sweep
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # Muon is leaf-separable: no whole-tree fallback
-    loss_4bit, state_4bit = _least_squares(optax4bit.muon_4bit(lr, min_quantize_size=0))
+    loss_8bit, state_8bit = _least_squares(optax4bit.muon_4bit(
+        lr, min_quantize_size=0, spec_for={"MuonState.mu": MUON_MOMENTUM_8BIT}))
   loss_fp32, state_fp32 = _least_squares(muon(lr))
-  # The momentum of the matrix and Adam's moments of the bias are quantized.
-  specs = sorted((q.spec.name, q.spec.stochastic, q.shape) for q in _quantized(state_4bit))
-  assert specs == [("B128/NF", True, (256,)), ("B32/NF", True, (256, 256)),
-                   ("Rank-1/SqrtDE-0", False, (256,))], specs
-  ratio = optax4bit.state_nbytes(state_4bit) / optax4bit.state_nbytes(state_fp32)
-  assert ratio < 0.2, ratio  # issue 17: under 30% of fp32 Muon's state
-  # Measured 1.35 (seeds 0-2: 1.33-1.40) at this learning rate; see RESULTS.md.
-  assert loss_4bit <= 1.5 * loss_fp32, (loss_4bit, loss_fp32)
+  # The momentum of the matrix (8 bits) and Adam's moments of the bias are quantized.
+  specs = sorted((q.spec.name, q.spec.bits, q.spec.stochastic, q.shape)
+                 for q in _quantized(state_8bit))
+  assert specs == [("B128/NF", 4, True, (256,)), ("B2048/DE", 8, False, (256, 256)),
+                   ("Rank-1/SqrtDE-0", 4, False, (256,))], specs
+  ratio = optax4bit.state_nbytes(state_8bit) / optax4bit.state_nbytes(state_fp32)
+  assert ratio < 0.3, ratio  # issue 17: under 30% of fp32 Muon's state
+  # Measured 1.29 (seeds 0-2: 1.27-1.34) at this rate; the 4-bit B32/NF
+  # stochastic momentum measured 3.90 (RESULTS.md, "4-bit Muon").
+  assert loss_8bit <= 1.5 * loss_fp32, (loss_8bit, loss_fp32)
+
+
+def test_muon_4bit_lags_at_small_learning_rates():
+  """The default 4-bit momentum (B32/NF, stochastic) trails fp32 Muon by
+  3.9x at lr 1e-2 (RESULTS.md, "4-bit Muon"); a regression bound, and the
+  reason for `MUON_MOMENTUM_8BIT`."""
+  lr = 1e-2
+  loss_4bit, state = _least_squares(optax4bit.muon_4bit(lr, min_quantize_size=0))
+  loss_fp32, state_fp32 = _least_squares(muon(lr))
+  assert optax4bit.state_nbytes(state) / optax4bit.state_nbytes(state_fp32) < 0.2
+  assert 2.5 * loss_fp32 <= loss_4bit <= 5.0 * loss_fp32, (loss_4bit, loss_fp32)
 
 
 def test_muon_4bit_without_quantized_leaves_is_muon():
