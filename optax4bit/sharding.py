@@ -30,9 +30,9 @@ How the optimizer learns the sharding:
   (`tie_to_param`), so XLA's sharding propagation places it like the
   parameter; each leaf's update is a ``custom_partitioning`` call
   (``optax4bit._gspmd``) whose partition callback receives the gradient's
-  sharding from XLA and runs the per-shard update below. Fused kernels decline
-  such leaves (the jnp path runs). `shard_optimizer` states the shardings up
-  front instead (and keeps the kernels).
+  sharding from XLA and runs the per-shard update below, the fused kernels'
+  included (`run_fused`). `shard_optimizer` states the shardings up front
+  instead.
 
 Per shard, each leaf runs the ordinary update on its local block (in chunks of
 local rows): block-wise scales are local, rank-1 and tensor scales are
