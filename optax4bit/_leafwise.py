@@ -213,8 +213,7 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
   num_rows = grad.shape[0] if grad.ndim else 1
   # At least two chunks, for the same reason as in `update_leaf`.
   rows = min(max(1, chunk_size // max(math.prod(grad.shape[1:]), 1)), -(-num_rows // 2))
-  if (grad.ndim == 0 or num_rows < 2 or _sharding.leaf_sharding(grad) is not None
-      or _sharding.on_auto_mesh(grad)):  # XLA partitions whole-leaf sums
+  if grad.ndim == 0 or num_rows < 2 or _sharding.may_be_split(grad):  # whole-leaf sums
     row_stats, totals = sums_fn(grad.astype(jnp.float32))
     return grad, row_stats, totals
   offset = _ROW_OFFSET.get()
@@ -492,8 +491,8 @@ def stored_value(x: jax.Array) -> jax.Array:
   or under explicit sharding (which forbids picking one element of a sharded
   axis) and on ``Auto`` mesh axes (where the flattening reshape would gather
   a split array) its maximum, a scalar all-reduce."""
-  if _sharding.leaf_sharding(x) is not None or _sharding.on_auto_mesh(x):
-    return jnp.max(x)  # on Auto axes: a reshape would gather a split array
+  if _sharding.may_be_split(x):
+    return jnp.max(x)
   return x.reshape(-1)[0]
 
 
@@ -519,8 +518,7 @@ def _zero_after(result):
   candidates = written_last or ([] if update is None else [update])
   if not candidates or not isinstance(candidates[0], jax.core.Tracer):
     return 0
-  if (_sharding.leaf_sharding(candidates[0]) is not None
-      or _sharding.on_auto_mesh(candidates[0])):
+  if _sharding.may_be_split(candidates[0]):
     candidates = [min(candidates, key=lambda x: x.size)]  # the cheapest to reduce
   else:
     # One element of each array: moments encoded by separate computations

@@ -221,6 +221,13 @@ def on_auto_mesh(x) -> bool:
           and all(t == AxisType.Auto for t in mesh.axis_types))
 
 
+def may_be_split(x) -> bool:
+  """Whether ``x`` is split across devices, or may be (on an ``Auto`` mesh,
+  where only XLA's partitioner knows): then picking one element of it, or
+  flattening it, would gather it."""
+  return leaf_sharding(x) is not None or on_auto_mesh(x)
+
+
 def tie_to_param(param, x):
   """``x`` unchanged, made data-dependent on ``param`` so that XLA's sharding
   propagation places it like ``param`` (see `state_partition_spec`).
