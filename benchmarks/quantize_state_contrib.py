@@ -2,7 +2,8 @@
 against the same optimizer in float32 on the least-squares problem of issue 14
 (``mean((W @ T - T)**2)``, W, T 256x256, ``W ~ 0.02 N(0, 1)``, full batch,
 200 steps): loss ratio to float32 for both recipes, mean and range over seeds,
-and whether the wrapper ran per leaf or fell back to the whole tree.
+the state bytes per parameter (float32 and wrapped, default recipe) and
+whether the wrapper ran per leaf or fell back to the whole tree.
 
     python benchmarks/quantize_state_contrib.py
 """
@@ -30,6 +31,9 @@ OPTIMIZERS = {
     "momo_adam": (lambda: contrib.momo_adam(1e-2), lambda loss_fn, value: {"value": value}),
     "sophia": (lambda: contrib.sophia(1e-3), lambda loss_fn, value: {"obj_fn": loss_fn}),
     "muon": (lambda: contrib.muon(3e-2), None),
+    # GaLore's Adam moments live in the projected (rank, 256) space.
+    "galore (rank 32)": (lambda: contrib.galore(1e-2, rank=32, update_proj_gap=50), None),
+    "galore (rank 128)": (lambda: contrib.galore(1e-2, rank=128, update_proj_gap=50), None),
 }
 
 
@@ -57,8 +61,9 @@ def main():
   seeds = [0, 1, 2]
   print(f"jax {jax.__version__}, optax {optax.__version__}, {os.cpu_count()} CPUs; "
         f"seeds {seeds}")
-  print("| optimizer | fp32 loss | 4-bit, recipe='default' | 4-bit, recipe='paper' | runs |")
-  print("|---|---|---|---|---|")
+  print("| optimizer | fp32 loss | 4-bit, recipe='default' | 4-bit, recipe='paper' "
+        "| state B/param, fp32 -> 4-bit | runs |")
+  print("|---|---|---|---|---|---|")
   for name, (make, extra) in OPTIMIZERS.items():
     fp32 = np.array([least_squares(make(), s, extra) for s in seeds])
     cells, mode = [], "per leaf"
@@ -71,7 +76,11 @@ def main():
         mode = "whole tree (not leaf-separable)"
       ratio = got / fp32
       cells.append(f"{ratio.mean():.2f} [{ratio.min():.2f}, {ratio.max():.2f}]")
-    print(f"| {name} | {fp32.mean():.3g} | {cells[0]} | {cells[1]} | {mode} |", flush=True)
+    params = {"w": jnp.zeros((256, 256))}
+    nbytes = [optax4bit.state_nbytes(jax.eval_shape(tx.init, params)) / 256**2
+              for tx in (make(), optax4bit.quantize_state(make()))]
+    print(f"| {name} | {fp32.mean():.3g} | {cells[0]} | {cells[1]} "
+          f"| {nbytes[0]:.2f} -> {nbytes[1]:.2f} | {mode} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,10 @@ def _decode(x, like=None, chunk_size: int = DEFAULT_CHUNK_SIZE):
   layout cannot be decoded on the global view of a sharded array)."""
   if not qarray.is_quantized(x):
     return x
-  if like is None or _sharding.leaf_sharding(like) is None:
+  # A field in another shape than its parameter (GaLore's projected moments)
+  # is decoded whole.
+  if (like is None or _sharding.leaf_sharding(like) is None
+      or tuple(np.shape(like)) != tuple(x.shape)):
     return x.dequantize()
   template = jnp.zeros_like(like, dtype=x.dtype)
   value, _ = _leafwise.update_leaf(_decode_step, template, (x,), chunk_size=chunk_size)
@@ -121,7 +124,7 @@ def _encode_new(value, spec: Optional[QuantSpec], key_fn, param=None):
   like = qarray.zeros(tuple(np.shape(value)), _dtype(value), spec)
   if _sharding.leaf_sharding(value) is not None:
     return _encode(value, like, key)
-  if param is not None:
+  if param is not None and tuple(np.shape(param)) == tuple(np.shape(value)):
     return _sharding.follow_param(param, lambda: _encode(value, like, key))
   return _encode(value, like, key)
 
@@ -145,7 +148,8 @@ def restart_beside_overflow(new: list, quantized) -> list:
   what the wrapped optimizer made."""
   flags = [q and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
            for x, q in zip(new, quantized)]
-  if sum(flags) < 2:
+  shapes = {tuple(np.shape(x)) for x, f in zip(new, flags) if f}
+  if sum(flags) < 2 or len(shapes) > 1:  # elements of fields of other shapes do not pair up
     return list(new)
   overflowed = functools.reduce(jnp.logical_or, [jnp.isposinf(x) for x, f in zip(new, flags)
                                                   if f])
@@ -362,21 +366,13 @@ def _encode_result(step: _Step, new, old, i: int, k: int):
   return _encode(new, old, key, step.config.chunk_size)
 
 
-def _check_update_inputs(split: StateSplit, grads: list, mirror_leaves: dict,
-                         update_names: list) -> None:
+def _check_update_inputs(split: StateSplit) -> None:
   for k, (path, node) in enumerate(zip(split.outer_paths, split.outer_leaves)):
     if not split.mirror[k] and qarray.is_quantized(node):
       raise ValueError(
           f"the quantized state leaf at {jax.tree_util.keystr(path)} is not in a subtree with "
           "the structure of the updates: the updates do not have the structure of the params "
           "given to init.")
-  for k, leaves in mirror_leaves.items():
-    for i, x in enumerate(leaves):
-      if qarray.is_quantized(x) and tuple(x.shape) != tuple(np.shape(grads[i])):
-        raise ValueError(
-            f"update at {update_names[i]} has shape {tuple(np.shape(grads[i]))} but its "
-            f"quantized state at {jax.tree_util.keystr(split.outer_paths[k])} has shape "
-            f"{x.shape}.")
 
 
 def _update_whole_tree(step: _Step, updates, params, params_def, grads, mirror_leaves):
@@ -436,6 +432,13 @@ def _whole_update_leaf(step: _Step, i, g, stored, p, shared_in):
   inner_state = split.outer_def.unflatten(
       [_decode(next(stored_it), g, chunk) if m else next(shared_it) for m in split.mirror])
   u, new_state = step.config.inner.update(g, inner_state, p, **step.extra_args)
+  if tuple(np.shape(u)) != tuple(np.shape(g)):
+    # A state field may have another shape than its parameter (GaLore), so a
+    # gradient of a wrong shape can broadcast against it instead of failing.
+    raise ValueError(
+        f"inner.update turned the update at {step.update_names[i]} of shape "
+        f"{tuple(np.shape(g))} into one of shape {tuple(np.shape(u))}: the updates do not "
+        f"have the shapes of the params given to init.")
   try:
     new_outer = split.outer_def.flatten_up_to(new_state)
   except (ValueError, TypeError) as e:
@@ -469,6 +472,7 @@ def _update_per_leaf(step: _Step, grads, param_leaves, mirror_leaves):
     g, stored, p = args
     if (np.ndim(g) >= 1 and any(map(qarray.is_quantized, stored))
         and all(map(_validation.is_array_like, stored))  # not an entry that is a subtree
+        and all(tuple(np.shape(x)) == tuple(np.shape(g)) for x in stored)
         and elementwise(g, stored, p, shared_in)):
       return _elementwise_update_leaf(step, i, g, stored, p, shared_in)
     return _whole_update_leaf(step, i, g, stored, p, shared_in)
@@ -521,7 +525,7 @@ def update(config: Config, updates, state, params=None, **extra_args):
   mirrors = [k for k, m in enumerate(split.mirror) if m]
   mirror_leaves = {k: params_def.flatten_up_to(split.outer_leaves[k]) for k in mirrors}
   update_names = leaf_names(updates)
-  _check_update_inputs(split, grads, mirror_leaves, update_names)
+  _check_update_inputs(split)
   step = _Step(config, split, mirrors, count, extra_args, update_names)
   if config.per_leaf is False or (config.per_leaf is None and _not_separable(
       _function_argument_problem(extra_args) or update_problem(

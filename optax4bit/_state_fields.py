@@ -214,8 +214,15 @@ def plan_specs(abstract_state, params, params_def, layout: StateSplit, spec_for,
     row = []
     for i, leaf in enumerate(leaves):
       p = param_leaves[i]
+      kind = _known_kind(owner, field)
+      # A known field may hold a parameter's state in another shape of the
+      # same rank (GaLore's Adam moments live in the projected (rank, n)
+      # space); factors of lower rank (Adafactor's v_row / v_col, SM3's
+      # accumulators) and unknown fields are quantized only where shaped like
+      # the parameter.
       eligible = (hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-                  and tuple(leaf.shape) == tuple(np.shape(p))
+                  and (tuple(leaf.shape) == tuple(np.shape(p))
+                       or (kind is not None and len(leaf.shape) == np.ndim(p)))
                   and _validation.quantizable(leaf, flags[i], min_quantize_size))
       if not eligible:
         row.append(None)
@@ -229,7 +236,6 @@ def plan_specs(abstract_state, params, params_def, layout: StateSplit, spec_for,
         key = f"{name}.{field}" if f"{name}.{field}" in spec_for else field
         if key in spec_for:
           value = check_spec_value(spec_for[key], f"spec_for[{key!r}]")
-      kind = _known_kind(owner, field)
       if isinstance(value, str):  # "auto"
         if kind is None:
           desc = f"{name}.{field}" if name is not None else "an unnamed position"

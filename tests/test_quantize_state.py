@@ -408,6 +408,46 @@ def test_a_function_argument_means_the_whole_tree():
   assert_trees_close(updates, expected)
 
 
+
+def galore_least_squares(tx, steps=100):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"w": 0.02 * jax.random.normal(k1, (128, 128))}
+  target = jax.random.normal(k2, (128, 128))
+  loss = lambda p: jnp.mean((p["w"] @ target - target) ** 2)  # noqa: E731
+
+  def step(carry, _):
+    p, state = carry
+    updates, state = tx.update(jax.grad(loss)(p), state, p)
+    return (optax.apply_updates(p, updates), state), None
+
+  (params, _), _ = jax.jit(lambda c: jax.lax.scan(step, c, None, length=steps))(
+      (params, tx.init(params)))
+  return float(loss(params))
+
+
+def test_galore_projected_moments_are_quantized():
+  """GaLore's Adam moments live in the projected (rank, n) space: known
+  fields of the parameter's rank are quantized in their own shape, the
+  projector (an unknown field) stays float32, and it trains like float32."""
+  make = lambda: optax.contrib.galore(1e-2, rank=32, update_proj_gap=25)  # noqa: E731
+  tx = optax4bit.quantize_state(make(), min_quantize_size=0)
+  state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((128, 128), jnp.float32)})
+  adam = state.inner_state[0].base_optimizer_state
+  assert is_qa(adam.mu["w"]) and adam.mu["w"].shape == (32, 128)
+  assert is_qa(adam.nu["w"]) and adam.nu["w"].spec.name == "Rank-1/SqrtDE-0"
+  assert not is_qa(state.inner_state[0].projector["w"])
+  fp32, quantized = galore_least_squares(make()), galore_least_squares(tx)
+  assert quantized < 1.5 * fp32, (quantized, fp32)
+
+
+def test_a_gradient_of_another_shape_is_an_error():
+  """State fields need not be shaped like their parameter (GaLore), so a
+  gradient that broadcasts against them is caught by the update's shape."""
+  tx = optax4bit.quantize_state(optax.adam(1e-3), min_quantize_size=0)
+  params = {"w": jnp.zeros((128, 128))}
+  with pytest.raises(ValueError, match=r"of shape \(1, 128\) into one of shape \(128, 128\)"):
+    tx.update({"w": jnp.ones((1, 128))}, tx.init(params), params)
+
 # ----------------------------------------------------------------------------
 # Memory contract and state bytes.
 
