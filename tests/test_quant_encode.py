@@ -332,3 +332,22 @@ def test_stochastic_rounds_to_neighbours_only():
   n = np.clip(x.astype(np.float64), table[0], table[-1])
   k = np.clip(np.searchsorted(table, n, side="right") - 1, 0, 14)
   assert np.all((vals == table[k]) | (vals == table[k + 1]))
+
+
+@pytest.mark.parametrize("mapping,bits,signed", [("NF", 4, True), ("DE", 4, True),
+                                                 ("SqrtDE-0", 4, False), ("DE", 8, True)])
+def test_bracket_is_the_entries_either_side(mapping, bits, signed):
+  """`maps.bracket` (the search stochastic rounding uses) against numpy's
+  searchsorted, on the entries themselves, their neighbours and random values."""
+  table = maps.qmap(mapping, bits, signed)
+  rng = np.random.default_rng(0)
+  x = np.concatenate([table, np.nextafter(table, np.float32(-np.inf)),
+                      np.nextafter(table, np.float32(np.inf)),
+                      rng.uniform(table[0], table[-1], 4096).astype(np.float32)])
+  x = np.clip(x, table[0], table[-1]).astype(np.float32)
+  x[np.abs(x) < np.finfo(np.float32).tiny] = 0  # XLA flushes subnormals (nextafter(0))
+  lower, low, high = jax.jit(lambda v: maps.bracket(v, table))(x)
+  expected = np.searchsorted(table, x, side="right") - 1
+  np.testing.assert_array_equal(np.asarray(lower), expected)
+  np.testing.assert_array_equal(np.asarray(low), table[expected])
+  np.testing.assert_array_equal(np.asarray(high), table[np.minimum(expected + 1, table.size - 1)])

@@ -150,19 +150,12 @@ def hashed_uniform(seed, index):
 
 
 def encode_stochastic(n, uniform, spec: QuantSpec, div=jnp.divide):
-  """`optax4bit.quant.maps.encode_stochastic`, operation by operation (the
-  gap to the next entry read from a table of the same float32 differences),
-  with the division taken by ``div`` (correctly rounded on the GPU)."""
+  """`optax4bit.quant.maps.encode_stochastic`, operation by operation, with
+  the division taken by ``div`` (correctly rounded on the GPU)."""
   table = maps.qmap(spec.mapping, spec.bits, spec.signed)
   n = jnp.clip(n, table[0], table[-1])
-  lower = maps.count_above(n, table[1:], inclusive=True)  # largest k with table[k] <= n
-  low_value = maps.decode(lower, spec.mapping, spec.bits, spec.signed)
-  # ``decode(upper) - low_value`` from one table of float32 differences (the
-  # same correctly rounded values): one select tree fewer per element keeps
-  # the fused steps within ptxas's register targets.
-  gaps = np.append(np.diff(table), np.float32(0))
-  decided = [(lower & (1 << (spec.bits - 1 - level))) != 0 for level in range(spec.bits)]
-  gap = maps._select_by_bits(decided, list(gaps))  # pylint: disable=protected-access
+  lower, low_value, high_value = maps.bracket(n, table)
+  gap = high_value - low_value
   round_up_probability = jnp.where(gap > 0, div(n - low_value, jnp.where(gap > 0, gap, 1)), 0)
   return lower + (uniform < round_up_probability).astype(jnp.int32)
 

@@ -186,6 +186,36 @@ def count_above(x: jax.Array, bounds: np.ndarray, *, inclusive: bool = False) ->
   return count
 
 
+def bracket(x: jax.Array, table: np.ndarray):
+  """``(lower, table[lower], table[min(lower + 1, size - 1)])`` for ``x`` in
+  ``[table[0], table[-1]]``, ``lower`` the largest ``k`` with ``table[k] <=
+  x``: `count_above` over ``table[1:]`` (inclusive), which for 16 entries
+  also carries the last bound passed and the last one failed along its
+  search (the entries either side of ``x`` are both on the path), 8 selects
+  instead of two 15-select trees."""
+  num_levels = int(np.log2(table.size))
+  assert 2**num_levels == table.size
+  if num_levels > 4:
+    lower = count_above(x, table[1:], inclusive=True)
+    values = jnp.asarray(table)
+    return lower, values[lower], values[jnp.minimum(lower + 1, table.size - 1)]
+  decided = []
+  low = jnp.full(x.shape, table[0], jnp.float32)
+  high = jnp.full(x.shape, table[-1], jnp.float32)
+  for level in range(num_levels):
+    step = 2 ** (num_levels - 1 - level)
+    bound = _select_by_bits(decided, [table[prefix * 2 * step + step]
+                                      for prefix in range(2**level)])
+    passed = x >= bound
+    low = jnp.where(passed, bound, low)
+    high = jnp.where(passed, high, bound)
+    decided.append(passed)
+  lower = jnp.zeros(x.shape, jnp.int32)
+  for level, bit in enumerate(decided):
+    lower = lower + bit.astype(jnp.int32) * (2 ** (num_levels - 1 - level))
+  return lower, low, high
+
+
 def encode_nearest(n: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array:
   """Codes (uint8) of the nearest table entries to float32 ``n``; ties go to
   the lower index; values outside the table clamp to its ends."""
@@ -206,10 +236,8 @@ def encode_stochastic(n: jax.Array, uniform: jax.Array, mapping: str, bits: int,
   """
   table = _table(mapping, bits, signed)
   n = jnp.clip(n, table[0], table[-1])
-  lower = count_above(n, table[1:], inclusive=True)  # largest k with table[k] <= n
-  upper = jnp.minimum(lower + 1, table.size - 1)
-  low_value = decode(lower, mapping, bits, signed)
-  gap = decode(upper, mapping, bits, signed) - low_value
+  lower, low_value, high_value = bracket(n, table)
+  gap = high_value - low_value
   round_up_probability = jnp.where(gap > 0, (n - low_value) / jnp.where(gap > 0, gap, 1), 0)
   return (lower + (uniform < round_up_probability).astype(jnp.int32)).astype(jnp.uint8)
 
