@@ -56,6 +56,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from typing import Callable, Optional, Sequence
@@ -368,7 +369,26 @@ def compile_kernel(kernel: TritonKernel, arch: str, workdir: str) -> dict:
                              f"output:\n{text}")
   return dict(registers=int(regs.group(1)), stack_bytes=int(spills.group(1)),
               spill_store_bytes=int(spills.group(2)), spill_load_bytes=int(spills.group(3)),
-              shared_bytes=int(compiled.metadata.shared), ptxas_log=text.strip())
+              shared_bytes=int(compiled.metadata.shared), ptxas_log=text.strip(),
+              instructions=sass_instructions(compiled.asm["cubin"], workdir))
+
+
+_SASS_OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+def sass_instructions(cubin: bytes, workdir: str) -> Optional[int]:
+  """Static SASS instructions of a cubin, by Triton's bundled ``nvdisasm``
+  (None where it is missing): a proxy for the work per element where the
+  kernels are not bound by memory (no GPU here to time them)."""
+  import triton  # pylint: disable=import-outside-toplevel
+  tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+  if not os.path.exists(tool):
+    return None
+  path = os.path.join(workdir, "kernel.cubin")
+  with open(path, "wb") as f:
+    f.write(cubin)
+  listing = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
+  return len(_SASS_OPCODE.findall(listing))
 
 
 def occupancy(registers: int, shared_bytes: int, num_warps: int, cc: int) -> float:
@@ -426,6 +446,7 @@ class Row:
   shared_bytes: Optional[int] = None
   occupancy: Optional[float] = None
   bytes_per_param: Optional[dict] = None
+  instructions: Optional[int] = None  # static SASS instructions (`sass_instructions`)
   note: str = ""
 
   @property
@@ -480,7 +501,7 @@ def run_matrix(cases: Sequence[str] = tuple(CASES), dtypes: Sequence[str] = DTYP
                     stack_bytes=result["stack_bytes"], shared_bytes=result["shared_bytes"],
                     occupancy=occupancy(result["registers"], result["shared_bytes"],
                                         kernel.num_warps, ARCHS[arch]),
-                    bytes_per_param=moved)
+                    bytes_per_param=moved, instructions=result["instructions"])
           rows.append(row)
           if progress:
             progress(format_row(row))
@@ -498,7 +519,7 @@ def problems(rows: Sequence[Row], budget: int = REGISTER_BUDGET) -> list:
 # Printing.
 
 _HEADER = (f"{'kernel':46s} {'dtype':8s} {'shape':7s} {'arch':6s} {'warps':>5s} {'regs':>5s} "
-           f"{'spills':>6s} {'shared':>7s} {'occupancy':>9s}")
+           f"{'spills':>6s} {'shared':>7s} {'occupancy':>9s} {'SASS':>6s}")
 
 
 def format_row(r: Row) -> str:
@@ -506,7 +527,8 @@ def format_row(r: Row) -> str:
   if r.registers is None:
     return f"{name:46s} {r.dtype:8s} {r.shape:7s} {r.note}"
   return (f"{name:46s} {r.dtype:8s} {r.shape:7s} {r.arch:6s} {r.num_warps:5d} "
-          f"{r.registers:5d} {r.spills:6d} {r.shared_bytes:7d} {100 * r.occupancy:8.1f}%")
+          f"{r.registers:5d} {r.spills:6d} {r.shared_bytes:7d} {100 * r.occupancy:8.1f}% "
+          f"{r.instructions if r.instructions is not None else '-':>6}")
 
 
 def markdown(rows: Sequence[Row], shape: str = "regular") -> str:
