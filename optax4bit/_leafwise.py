@@ -122,8 +122,16 @@ def _take_rows(x, start, rows, factor):
   return jax.lax.dynamic_slice_in_dim(x, start // factor, -(-rows // factor), axis=0)
 
 
+def _cast(x, dtype):
+  """``x`` as ``dtype``; a complex ``x`` into a real ``dtype`` by its real part
+  (a complex ``mu_dtype`` on real parameters: the imaginary part is 0)."""
+  if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
+    x = jnp.real(x)
+  return x.astype(dtype)
+
+
 def _put_rows(x, chunk, start, factor):
-  return jax.lax.dynamic_update_slice_in_dim(x, chunk.astype(x.dtype), start // factor, axis=0)
+  return jax.lax.dynamic_update_slice_in_dim(x, _cast(chunk, x.dtype), start // factor, axis=0)
 
 
 def _chunk_side(side: tuple, num_rows: int, start, rows) -> tuple:
@@ -190,7 +198,7 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
     update, new = _materialized(step_fn(grad.astype(compute_dtype(grad)), old, side))
     new_moments = tuple(encode_moment(v, m, k, reduce_scales)
                         for v, m, k in zip(new, moments, keys))
-    return update.astype(grad.dtype), new_moments
+    return _cast(update, grad.dtype), new_moments
   return _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce_scales)
 
 
@@ -441,7 +449,7 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
       codes = qarray.encode(new[i], chunk_scales, moment.spec, layout, uniform)
       local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
       out.append((codes, local))
-    return update.astype(update_dtype), tuple(out)
+    return _cast(update, update_dtype), tuple(out)
 
   def keep_written_rows(results, stored, c):
     """The overlapping last chunk reads rows the chunk before it has already

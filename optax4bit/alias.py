@@ -66,8 +66,9 @@ def adam_4bit(
     eps_root: term added to the second moment inside the square root.
     mu_dtype: dtype of first moments kept unquantized (default float32;
       optax's default is the parameters' dtype, but the step's math is
-      float32 and such leaves are small). A quantized moment reports float32,
-      the dtype it decodes to; a complex parameter's moment stays complex.
+      float32 and such leaves are small). A quantized moment reports it
+      (float32 by default); a complex one keeps the moments complex and
+      unquantized; a complex parameter's moment stays complex.
     nesterov: Nesterov momentum.
     recipe: ``"default"`` or ``"paper"`` (see `optax4bit.recipes`).
     first_moment: quantizer of the first moment, overriding the recipe's.
@@ -147,8 +148,9 @@ def adamw_4bit(
     eps_root: term added to the second moment inside the square root.
     mu_dtype: dtype of first moments kept unquantized (default float32;
       optax's default is the parameters' dtype, but the step's math is
-      float32 and such leaves are small). A quantized moment reports float32,
-      the dtype it decodes to; a complex parameter's moment stays complex.
+      float32 and such leaves are small). A quantized moment reports it
+      (float32 by default); a complex one keeps the moments complex and
+      unquantized; a complex parameter's moment stays complex.
     weight_decay: decoupled weight decay (a float or a schedule).
     mask: which leaves get weight decay (as in ``optax.adamw``).
     nesterov: Nesterov momentum.
@@ -297,8 +299,9 @@ def adamw_8bit(
     eps_root: term added to the second moment inside the square root.
     mu_dtype: dtype of first moments kept unquantized (default float32;
       optax's default is the parameters' dtype, but the step's math is
-      float32 and such leaves are small). A quantized moment reports float32,
-      the dtype it decodes to; a complex parameter's moment stays complex.
+      float32 and such leaves are small). A quantized moment reports it
+      (float32 by default); a complex one keeps the moments complex and
+      unquantized; a complex parameter's moment stays complex.
     weight_decay: decoupled weight decay (a float or a schedule).
     mask: which leaves get weight decay (as in ``optax.adamw``).
     nesterov: Nesterov momentum.
@@ -350,7 +353,8 @@ def sgdm_4bit(
     nesterov: Nesterov momentum.
     accumulator_dtype: dtype of a momentum buffer kept unquantized (default
       float32; optax's default is the parameters' dtype). A quantized buffer
-      reports float32, the dtype it decodes to.
+      reports it (float32 by default); a complex one keeps the buffer complex
+      and unquantized.
     recipe: ``"default"`` (momentum ``B128/NF`` with stochastic rounding) or
       ``"paper"`` (``B128/DE``, nearest rounding).
     first_moment: quantizer of the momentum buffer, overriding the recipe's.

@@ -113,17 +113,28 @@ def _leaf_keys(seed, count, num_leaves: int, num_moments: int, stochastic: bool)
           for leaf in range(num_leaves)]
 
 
-def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=jnp.float32, real: bool = False):
+def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=None, real: bool = False):
   """Zero moment of ``leaf``, sharded like it when its sharding is known
-  (see `optax4bit.sharding`). A complex leaf's moment is complex (its
-  precision at least ``dtype``'s) unless ``real`` (second moments: real, of
-  the leaf's precision, as ``|g|**2`` is)."""
-  if spec is None and jnp.iscomplexobj(leaf):
-    dtype = jnp.promote_types(jnp.real(jnp.zeros((), leaf.dtype)).dtype if real else leaf.dtype,
-                              dtype)
+  (see `optax4bit.sharding`).
+
+  ``dtype``: the dtype asked for (``mu_dtype``, ``accumulator_dtype``; None:
+  none). A moment kept unquantized is stored in it (default float32: the
+  step's math is float32); a complex leaf's moment is complex (its precision
+  at least ``dtype``'s) unless ``real`` (second moments: real, of the leaf's
+  precision, as ``|g|**2`` is). A quantized moment reports (and `dequantize`s
+  to) the real ``dtype`` asked for, else float32; a complex ``dtype`` asks for
+  a complex moment, which is not quantized.
+  """
+  if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+    spec = None
   if spec is None:
-    return _sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, dtype))
-  return _sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), jnp.float32, spec))
+    store = jnp.float32 if dtype is None else dtype
+    if jnp.iscomplexobj(leaf):
+      store = jnp.promote_types(
+          jnp.real(jnp.zeros((), leaf.dtype)).dtype if real else leaf.dtype, store)
+    return _sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, store))
+  label = jnp.float32 if dtype is None else dtype
+  return _sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), label, spec))
 
 
 def _zeros_factored(shape: tuple) -> FactoredMoment:
@@ -178,8 +189,12 @@ def scale_by_adam_4bit(
     eps_root: term added to the second moment inside the square root.
     mu_dtype: dtype of first moments kept unquantized (default float32;
       optax's default is the parameters' dtype, but the step's math is
-      float32 and such leaves are small). A quantized moment reports float32,
-      the dtype it decodes to; a complex parameter's moment stays complex.
+      float32 and such leaves are small). A quantized moment reports
+      ``mu_dtype`` (what its `dequantize` returns; the step decodes to
+      float32), float32 by default. A complex ``mu_dtype`` keeps every first
+      moment complex and unquantized. A complex parameter's moment stays
+      complex whatever ``mu_dtype`` says: a real one would drop its
+      imaginary part.
     nesterov: use Nesterov momentum, as in ``optax.scale_by_adam``.
     second_moment: quantizer of the second moment (unsigned), overriding the
       recipe's; a map with a zero code (``"B128/DE"``) shows the paper's
@@ -225,7 +240,7 @@ def scale_by_adam_4bit(
   min_quantize_size = _validation.check_static_int("min_quantize_size", min_quantize_size)
   chunk = _validation.check_chunk_size(chunk_size)
   implementation = _dispatch.check_implementation(implementation)
-  mu_dtype = jnp.float32 if mu_dtype is None else jnp.dtype(mu_dtype)
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   stochastic = m_spec.stochastic or v_spec.stochastic
 
   def init_fn(params):
@@ -432,7 +447,9 @@ def scale_by_momentum_4bit(
     nesterov: Nesterov momentum.
     accumulator_dtype: dtype of a trace kept unquantized (default float32,
       whatever the parameter dtype: the step's math is float32). A quantized
-      trace reports float32, the dtype it decodes to.
+      trace reports ``accumulator_dtype``, float32 by default; a complex one
+      keeps the trace complex and unquantized; a complex parameter's trace
+      stays complex.
     recipe: ``"default"`` (the trace in ``B128/NF`` with stochastic
       rounding) or ``"paper"`` (``B128/DE``, nearest rounding); see
       `optax4bit.recipes`.
@@ -472,7 +489,7 @@ def scale_by_momentum_4bit(
   min_quantize_size = _validation.check_static_int("min_quantize_size", min_quantize_size)
   chunk = _validation.check_chunk_size(chunk_size)
   implementation = _dispatch.check_implementation(implementation)
-  accumulator_dtype = jnp.float32 if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
+  accumulator_dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
   def init_fn(params):
     flags = _validation.resolve_mask(quantize_mask, params, "quantize_mask")

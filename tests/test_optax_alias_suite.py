@@ -13,9 +13,10 @@ conformance suite for something that claims to be an optax optimizer.
   convergence runs) with optax's ``adam``, ``adamw`` and ``sgd(momentum=...)``
   replaced by ``adam_4bit``, ``adamw_4bit`` and ``sgdm_4bit``
   (``min_quantize_size=0``), less two tests whose expectations this library
-  departs from on purpose: ``test_explicit_dtype`` (an unquantized moment
-  defaults to float32, not the params' dtype; a complex parameter's moment
-  stays complex whatever dtype is asked for) and
+  departs from on purpose in 9 of its 48 cases: ``test_explicit_dtype`` (no
+  dtype asked for gives float32, not the params' dtype; a complex parameter's
+  moment stays complex whatever dtype is asked for; the other cases are
+  checked by ``tests/test_optim_dtypes.py``) and
   ``test_optimizers_can_be_wrapped_in_inject_hyperparams`` (it passes
   ``min_quantize_size`` through ``optax.inject_hyperparams``, which makes it
   an array; `optax4bit.inject_hyperparams` keeps it static).

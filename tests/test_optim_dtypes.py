@@ -296,3 +296,36 @@ def test_explicit_moment_dtype_of_unquantized_chunked_leaves(make_4bit, make_opt
     chex.assert_trees_all_close(u, u_ref, rtol=2e-2, atol=1e-3)
   for leaf in jax.tree.leaves(optax.tree.get(state, field)):
     assert leaf.dtype == jnp.bfloat16
+
+
+_DTYPES = ("bfloat16", "float32", "complex64", None)
+
+
+@pytest.mark.parametrize("opt_name", ["sgdm_4bit", "adam_4bit", "adamw_4bit"])
+def test_state_dtype_matches_optax_where_it_can(opt_name):
+  """optax's ``AliasTest.test_explicit_dtype`` expectations on quantized
+  moments (``min_quantize_size=0``): the dtype asked for is the one a moment
+  reports (a complex one keeps it complex and unquantized), except where the
+  library departs on purpose: no dtype asked for gives float32, not the
+  params' dtype; a complex parameter's moment stays complex (a real one
+  would drop its imaginary part). The updates stay real for real params."""
+  for params_dtype in _DTYPES:
+    for state_dtype in _DTYPES:
+      if opt_name == "sgdm_4bit":
+        tx = optax4bit.sgdm_4bit(0.1, 0.9, accumulator_dtype=state_dtype, min_quantize_size=0)
+        field = "trace"
+      else:
+        tx = getattr(optax4bit, opt_name)(0.1, mu_dtype=state_dtype, min_quantize_size=0)
+        field = "mu"
+      params = jnp.array([0.5, -1.0], dtype=jax.dtypes.canonicalize_dtype(params_dtype))
+      state = tx.init(params)
+      got = optax.tree.get(state, field).dtype
+      if jnp.iscomplexobj(params):
+        expected = params.dtype if state_dtype != "complex64" else jnp.complex64
+      elif state_dtype is None:
+        expected = jnp.float32
+      else:
+        expected = jnp.dtype(state_dtype)
+      assert got == expected, (params_dtype, state_dtype, got)
+      updates, _ = jax.jit(tx.update)(params, state, params)
+      assert updates.dtype == params.dtype, (params_dtype, state_dtype, updates.dtype)
