@@ -83,6 +83,13 @@ OPTIMIZERS = {
     "optax.sgd(momentum)": lambda: optax.sgd(1e-3, 0.9),
     "sgdm_4bit": lambda: optax4bit.sgdm_4bit(1e-3),
     "sgdm_4bit (paper)": lambda: optax4bit.sgdm_4bit(1e-3, recipe="paper"),
+    # quantize_state's optimizers (the jnp engine, every leaf).
+    "optax.lion": lambda: optax.lion(1e-4),
+    "lion_4bit": lambda: optax4bit.lion_4bit(1e-4),
+    "lion_4bit (jnp)": lambda: optax4bit.lion_4bit(1e-4, implementation="jnp"),
+    "quantize_state(optax.adamw)": lambda: optax4bit.quantize_state(optax.adamw(1e-3)),
+    "quantize_state(optax.adamw) (jnp)": lambda: optax4bit.quantize_state(
+        optax.adamw(1e-3), implementation="jnp"),
     "in-place floor": in_place_floor,
 }
 

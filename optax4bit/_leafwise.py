@@ -30,11 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit import _codecs
 from optax4bit import _gspmd
 from optax4bit import sharding as _sharding
 from optax4bit._validation import DEFAULT_CHUNK_SIZE
 from optax4bit.quant import array as qarray
-from optax4bit.quant import maps, normalize
+from optax4bit.quant import normalize
 from optax4bit.quant.array import QuantizedArray
 
 # step_fn(grad_f32, old_moments_f32, side_inputs) -> (update_f32, new_moments_f32)
@@ -50,21 +51,8 @@ def compute_dtype(x):
 def decode_moment(moment) -> jax.Array:
   """float32 value of a stored moment (quantized or plain)."""
   if isinstance(moment, QuantizedArray):
-    return qarray.decode(moment.codes, moment.scales, moment.spec, moment.layout, moment.shape)
+    return _codecs.decode(moment.codes, moment.scales, moment.spec, moment.layout, moment.shape)
   return moment.astype(compute_dtype(moment))
-
-
-def _uniform(key, shape, first_row=0):
-  """Stochastic rounding's draws for rows ``first_row, ...`` of a leaf (of
-  this shard's block of it, under `optax4bit.sharding.per_shard`): the same
-  for an element of the global leaf whatever the chunking and sharding (see
-  `maps.hashed_uniform`)."""
-  origin, full_shape = (0,) * len(shape), None
-  shard = _sharding.shard_origin()
-  if shard is not None:
-    full_shape, origin = shard
-  origin = (origin[0] + first_row,) + tuple(origin[1:]) if shape else ()
-  return maps.hashed_uniform(maps.rounding_seed(key), shape, origin, full_shape)
 
 
 def encode_moment(value: jax.Array, like, key=None, reduce_scales=None):
@@ -73,11 +61,12 @@ def encode_moment(value: jax.Array, like, key=None, reduce_scales=None):
   if not isinstance(like, QuantizedArray):
     return value.astype(like.dtype)
   layout = like.layout
-  scales = normalize.compute_scales(normalize.finite_abs(value), layout)
-  if reduce_scales is not None:
-    scales = reduce_scales(scales, layout)
-  uniform = _uniform(key, value.shape) if like.spec.stochastic else None
-  codes = qarray.encode(value, scales, like.spec, layout, uniform)
+  scales = None
+  if layout.normalization != "block":  # block maxima never span shards
+    scales = normalize.compute_scales(normalize.finite_abs(value), layout)
+    if reduce_scales is not None:
+      scales = reduce_scales(scales, layout)
+  codes, scales = _codecs.encode(value, like.spec, layout, key, scales=scales)
   return QuantizedArray(codes, scales, like.spec, like.shape, like.dtype)
 
 
@@ -272,8 +261,8 @@ def _decode_chunk(moment, plan: _MomentPlan, chunk, rows, row_shape):
     return chunk.astype(compute_dtype(chunk))
   codes, scales = chunk
   shape = (rows,) + row_shape
-  return qarray.decode(codes, scales, moment.spec, normalize.layout_for(moment.spec, shape),
-                       shape)
+  return _codecs.decode(codes, scales, moment.spec, normalize.layout_for(moment.spec, shape),
+                        shape)
 
 
 class _Schedule(NamedTuple):
@@ -440,13 +429,12 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
         out.append(encode_moment(new[i], moment))  # in its stored dtype
         continue
       layout = leaf.chunk_layout(moment, size)
+      chunk_scales = None
       if plan.needs_second_pass:
         chunk_scales = tuple(s if f is None else _take_rows(s, start, size, f)
                              for s, f in zip(new_global[i], plan.scale_factors))
-      else:
-        chunk_scales = normalize.compute_scales(normalize.finite_abs(new[i]), layout)
-      uniform = _uniform(keys[i], new[i].shape, start) if moment.spec.stochastic else None
-      codes = qarray.encode(new[i], chunk_scales, moment.spec, layout, uniform)
+      codes, chunk_scales = _codecs.encode(new[i], moment.spec, layout, keys[i], start,
+                                           chunk_scales)
       local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
       out.append((codes, local))
     return _cast(update, update_dtype), tuple(out)

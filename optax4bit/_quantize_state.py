@@ -14,7 +14,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from optax4bit import _codecs
 from optax4bit import _leafwise
+from optax4bit import dispatch as _dispatch
 from optax4bit import _state_fields
 from optax4bit import _validation
 from optax4bit import sharding as _sharding
@@ -56,6 +58,7 @@ class Config(NamedTuple):
   seed: int
   chunk_size: int
   recipe: str
+  implementation: str = "auto"
 
 
 def _dtype(x):
@@ -502,7 +505,13 @@ def _decoded_abstract(tree):
 
 
 def update(config: Config, updates, state, params=None, **extra_args):
-  """``quantize_state(...).update``."""
+  """``quantize_state(...).update``, with the backend's 4-bit codecs where it
+  has them (`optax4bit.dispatch.codecs`)."""
+  with _codecs.using_codecs(_dispatch.codecs(config.implementation)):
+    return _update(config, updates, state, params, **extra_args)
+
+
+def _update(config: Config, updates, state, params=None, **extra_args):
   if not isinstance(state, QuantizedState):
     raise ValueError(f"state must be the QuantizedState of quantize_state's init, got "
                      f"{type(state).__name__}.")

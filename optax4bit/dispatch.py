@@ -36,11 +36,12 @@ import jax
 
 from optax4bit import cpu as _cpu
 from optax4bit._validation import IMPLEMENTATIONS
+from optax4bit.cpu import codec as _cpu_codec
 from optax4bit.cpu import ffi as _cpu_ffi
 from optax4bit.pallas import steps as _pallas_steps
 from optax4bit.pallas.steps import PallasConfig
 
-__all__ = ["IMPLEMENTATIONS", "Implementation", "check_implementation", "fused_steps"]
+__all__ = ["IMPLEMENTATIONS", "Implementation", "check_implementation", "codecs", "fused_steps"]
 
 Implementation = Union[str, PallasConfig]
 
@@ -67,3 +68,13 @@ def fused_steps(implementation: Implementation):
     return _cpu_ffi.CpuSteps()
   config = _pallas_steps.resolve(implementation)
   return None if config is None else _pallas_steps.PallasSteps(config.options)
+
+
+def codecs(implementation: Implementation):
+  """The 4-bit codecs the jnp engine runs in place of its own where no fused
+  step covers a leaf (`optax4bit.quantize_state`): the C++ kernel's
+  (`optax4bit.cpu.codec`) for ``"auto"`` on the CPU backend where the kernel
+  beats the jnp path, else None (the jnp codecs). Call while tracing."""
+  if implementation == "auto" and jax.default_backend() == "cpu" and _cpu_codec.available():
+    return _cpu_codec
+  return None

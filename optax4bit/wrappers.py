@@ -163,9 +163,11 @@ def quantize_state(
     quantize_mask: a pytree of bools like the params (or a prefix), or a
       callable of the params returning one; ``False`` leaves stay in full
       precision.
-    implementation: ``"auto"`` or ``"jnp"`` (the same: the decode and encode
-      are jnp). ``"pallas"`` raises ``NotImplementedError``: the update is a
-      black box and cannot be fused into a kernel.
+    implementation: ``"auto"`` (on the CPU backend, the C++ kernel's 4-bit
+      codecs decode and encode the state around ``inner.update`` where they
+      apply, `optax4bit.cpu.codec`, bit for bit as the jnp ones) or ``"jnp"``
+      (the jnp codecs). ``"pallas"`` raises ``NotImplementedError``: the
+      update is a black box and cannot be fused into a kernel.
     per_leaf: ``None`` (default): leaf by leaf where the check shows that
       ``inner`` is leaf-separable, otherwise on the whole tree with a
       ``UserWarning`` naming the dependency. ``True``: leaf by leaf without
@@ -217,7 +219,7 @@ def quantize_state(
   if recipe not in recipes.RECIPES:
     raise ValueError(f"recipe must be one of {tuple(recipes.RECIPES)}, got {recipe!r}.")
   config = _impl.Config(optax.with_extra_args_support(inner), spec_for, min_quantize_size,
-                        quantize_mask, per_leaf, seed, chunk, recipe)
+                        quantize_mask, per_leaf, seed, chunk, recipe, implementation)
 
   def init_fn(params):
     return _impl.init(config, _impl.plain_arrays(params))

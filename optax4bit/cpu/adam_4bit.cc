@@ -132,6 +132,21 @@ struct ApplyRowsArgs {
   float* m_scales_out;
 };
 
+// What the rows of the 4-bit codecs (Decode4bit, EncodeBlock4bit,
+// EncodeRank14bit) read and write; see those calls.
+struct CodecRowsArgs {
+  int64_t h;
+  bool rank1, stochastic, linear;
+  const uint8_t* codes;
+  const float *block_scales, *row_scales, *col_scales, *table, *x, *thresholds4, *inv_col_even,
+      *inv_col_odd;
+  const uint32_t* row_base;
+  uint32_t seed;
+  float inverse_factor;
+  float *out, *block_scales_out;
+  uint8_t* codes_out;
+};
+
 // The row kernels of each ISA path, in a namespace of its own (their vectors
 // as wide as the path's registers).
 #ifdef OPTAX4BIT_X86_PATHS
@@ -141,6 +156,7 @@ namespace avx512 {
 #define OPTAX4BIT_ROWS_AVX512 1
 #define OPTAX4BIT_ROWS_AVX2 0
 #include "adam_4bit_rows.h"
+#include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx512
@@ -151,6 +167,7 @@ namespace avx2 {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 1
 #include "adam_4bit_rows.h"
+#include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx2
@@ -160,6 +177,7 @@ namespace baseline {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 0
 #include "adam_4bit_rows.h"
+#include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace baseline
@@ -540,3 +558,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // v codes (in place)
 );
+
+#include "codec_ffi.h"

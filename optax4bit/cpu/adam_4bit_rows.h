@@ -552,3 +552,4 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
                        a.inv_col_even, a.inv_col_odd, v_thresholds4, a.v_out + i * h);
   }
 }
+

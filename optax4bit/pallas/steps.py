@@ -217,7 +217,7 @@ class PallasSteps:
   def _local(self, kind, grad, moments, side, keys, reduce_scales, consts):
     (coef,) = consts
     shape = tuple(grad.shape)
-    # The seeds the jnp reference derives from the same keys (`_leafwise._uniform`).
+    # The seeds the jnp reference derives from the same keys (`_codecs.encode`).
     seeds = [maps.rounding_seed(k) if m.spec.stochastic and k is not None else None
              for m, k in zip(moments, keys)]
     shard = _sharding.shard_origin()

@@ -1,0 +1,84 @@
+// Row kernels of the 4-bit codecs (codec_ffi.h): decode and encode of one
+// quantized array, for quantize_state's chunks (optax4bit.quant.array.decode
+// / encode). Included by adam_4bit.cc once per ISA path, after
+// adam_4bit_rows.h, whose vectors, lookups and encoders they share (no
+// include guard, as that file).
+//
+// Rows hold d = 2h values in their natural order; codes pack element 2j in
+// the low nibble of byte j and element 2j + 1 in the high one.
+
+#if OPTAX4BIT_ROWS_AVX2
+constexpr VI kInterleaveLo = {0, 8, 1, 9, 2, 10, 3, 11};
+constexpr VI kInterleaveHi = {4, 12, 5, 13, 6, 14, 7, 15};
+#else
+constexpr VI kInterleaveLo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+constexpr VI kInterleaveHi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#endif
+
+// Stores the even elements e and odd elements o of 2 kLanes values in order.
+inline void StoreInterleaved(float* out, VF e, VF o) {
+  StoreV(out, __builtin_shuffle(e, o, kInterleaveLo));
+  StoreV(out + kLanes, __builtin_shuffle(e, o, kInterleaveHi));
+}
+
+// Splits a row of 2h values into its even (x[0, h)) and odd (x[h, 2h)) ones.
+void SplitRow(int64_t h, const float* __restrict row, float* __restrict x) {
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VF a = LoadV(row + 2 * j), b = LoadV(row + 2 * j + kLanes);
+    StoreV(x + j, __builtin_shuffle(a, b, kEven));
+    StoreV(x + h + j, __builtin_shuffle(a, b, kOdd));
+  }
+}
+
+// table[code] * scale, the scale per 128-element block (block_scales, h / 64
+// of them) or, with col_scales, min(row scale, column scale).
+void DecodeRow(int64_t h, const uint8_t* __restrict codes, const float* __restrict scales,
+               const float* __restrict col_scales, const float* __restrict table_values,
+               float* __restrict out) {
+  const Table table = LoadTable(table_values);
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VI byte = LoadCodes(codes + j);
+    VF se, so;
+    if (col_scales == nullptr) {
+      se = so = VF{} + scales[j / kBlockBytes];
+    } else {
+      const VF row = VF{} + scales[0];
+      const VF ca = LoadV(col_scales + 2 * j), cb = LoadV(col_scales + 2 * j + kLanes);
+      const VF ce = __builtin_shuffle(ca, cb, kEven), co = __builtin_shuffle(ca, cb, kOdd);
+      se = row < ce ? row : ce;
+      so = row < co ? row : co;
+    }
+    StoreInterleaved(out + 2 * j, Lookup(table, byte & 15) * se, Lookup(table, byte >> 4) * so);
+  }
+}
+
+// Rows [lo, hi) of Decode4bit.
+void DecodeRows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* /*scratch*/) {
+  const int64_t h = a.h, blocks = h / kBlockBytes;
+  for (int64_t i = lo; i < hi; ++i) {
+    DecodeRow(h, a.codes + i * h, a.rank1 ? a.row_scales + i : a.block_scales + i * blocks,
+              a.rank1 ? a.col_scales : nullptr, a.table, a.out + i * 2 * h);
+  }
+}
+
+// Rows [lo, hi) of EncodeBlock4bit: block maxima and codes (scratch: 2h).
+void EncodeBlockRows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
+  const int64_t h = a.h, blocks = h / kBlockBytes;
+  const FirstMomentRounding rounding(a.table, a.table + kTableSize, a.seed);
+  for (int64_t i = lo; i < hi; ++i) {
+    SplitRow(h, a.x + i * 2 * h, scratch);
+    EncodeFirstMoment(a.stochastic, h, scratch, rounding, a.row_base[i],
+                      a.block_scales_out + i * blocks, a.codes_out + i * h);
+  }
+}
+
+// Rows [lo, hi) of EncodeRank14bit under given scales (scratch: 2h).
+void EncodeRank1Rows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
+  const int64_t h = a.h;
+  const Bounds thresholds4 = MakeBounds(a.thresholds4);
+  for (int64_t i = lo; i < hi; ++i) {
+    SplitRow(h, a.x + i * 2 * h, scratch);
+    EncodeSecondMoment(a.linear, h, scratch, InverseTimes4(a.row_scales[i]) * a.inverse_factor,
+                       a.inv_col_even, a.inv_col_odd, thresholds4, a.codes_out + i * h);
+  }
+}
