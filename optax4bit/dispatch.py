@@ -72,9 +72,12 @@ def fused_steps(implementation: Implementation):
 
 def codecs(implementation: Implementation):
   """The 4-bit codecs the jnp engine runs in place of its own where no fused
-  step covers a leaf (`optax4bit.quantize_state`): the C++ kernel's
-  (`optax4bit.cpu.codec`) for ``"auto"`` on the CPU backend where the kernel
-  beats the jnp path, else None (the jnp codecs). Call while tracing."""
+  step covers a leaf (`optax4bit.quantize_state`, and leaves the fused steps
+  decline): the C++ kernel's (`optax4bit.cpu.codec`) for ``"cpu"``, and for
+  ``"auto"`` on the CPU backend where the kernel beats the jnp path; else
+  None (the jnp codecs). Call while tracing."""
+  if implementation == "cpu" and _cpu_codec.registered():
+    return _cpu_codec
   if implementation == "auto" and jax.default_backend() == "cpu" and _cpu_codec.available():
     return _cpu_codec
   return None

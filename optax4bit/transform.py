@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax4bit import _codecs
 from optax4bit import _leafwise
 from optax4bit import _steps
 from optax4bit import _validation
@@ -267,7 +268,9 @@ def scale_by_adam_4bit(
         return out
       return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk)
 
-    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
+    # Leaves no fused step covers run the jnp engine, with the backend's codecs.
+    with _codecs.using_codecs(_dispatch.codecs(implementation)):
+      results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -411,7 +414,9 @@ def scale_by_factored_adam_4bit(
                                                   chunk_size=chunk)
       return update, (m, v)
 
-    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
+    # Leaves no fused step covers run the jnp engine, with the backend's codecs.
+    with _codecs.using_codecs(_dispatch.codecs(implementation)):
+      results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -513,7 +518,9 @@ def scale_by_momentum_4bit(
       out = fused and fused.momentum(g, t, momentum, nesterov, k)
       return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk)
 
-    results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys)
+    # Leaves no fused step covers run the jnp engine, with the backend's codecs.
+    with _codecs.using_codecs(_dispatch.codecs(implementation)):
+      results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys)
     new_updates = treedef.unflatten([u for u, _ in results])
     trace = state_def.unflatten([t for _, (t,) in results])
     return new_updates, ScaleByMomentum4bitState(count_inc, trace)
