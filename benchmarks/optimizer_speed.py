@@ -89,6 +89,9 @@ OPTIMIZERS = {
     "optax.lion": lambda: optax.lion(1e-4),
     "lion_4bit": lambda: optax4bit.lion_4bit(1e-4),
     "lion_4bit (jnp)": lambda: optax4bit.lion_4bit(1e-4, implementation="jnp"),
+    "optax.contrib.ademamix": lambda: optax.contrib.ademamix(1e-3),
+    "ademamix_4bit": lambda: optax4bit.ademamix_4bit(1e-3),
+    "ademamix_4bit (jnp)": lambda: optax4bit.ademamix_4bit(1e-3, implementation="jnp"),
     "quantize_state(optax.adamw)": lambda: optax4bit.quantize_state(optax.adamw(1e-3)),
     "quantize_state(optax.adamw) (jnp)": lambda: optax4bit.quantize_state(
         optax.adamw(1e-3), implementation="jnp"),
