@@ -347,6 +347,34 @@ ffi::Error CheckTables(const ffi::Buffer<ffi::F32>& tables) {
   return ffi::Error::Success();
 }
 
+// What a rank-1 encoder (EncodeSecondMoment) takes besides the values: 4 t
+// for its 15 thresholds t (normal, in (0, 1]; Linear's are unused) and the
+// inverses of the column scales, split even/odd, times 16 for Linear and 4
+// otherwise (inverse_factor 4 or 1 times InverseTimes4). Call with
+// subnormals flushed, as XLA computes the reciprocals.
+struct Rank1Encoder {
+  float thresholds4[kTableSize - 1];
+  float inverse_factor;
+  std::vector<float> inv_col_even, inv_col_odd;
+};
+
+ffi::Error MakeRank1Encoder(const float* thresholds, const float* col_scales, int64_t h,
+                            bool linear, Rank1Encoder& out) {
+  for (int k = 0; k < kTableSize - 1; ++k) {
+    if (!linear && !(thresholds[k] >= FLT_MIN && thresholds[k] <= 1.0f)) {
+      return ffi::Error::InvalidArgument("second-moment thresholds must be normal, in (0, 1]");
+    }
+    out.thresholds4[k] = 4.0f * thresholds[k];
+  }
+  out.inverse_factor = linear ? 4.0f : 1.0f;
+  SplitEvenOdd(h, col_scales, out.inv_col_even, out.inv_col_odd);
+  for (int64_t j = 0; j < h; ++j) {
+    out.inv_col_even[j] = InverseTimes4(out.inv_col_even[j]) * out.inverse_factor;
+    out.inv_col_odd[j] = InverseTimes4(out.inv_col_odd[j]) * out.inverse_factor;
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
                      ffi::Buffer<ffi::F32> v_cols, ffi::Buffer<ffi::F32> coef,
@@ -430,24 +458,15 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   FlushDenormals flush;  // also for the scale reciprocals below
   const float* m_table = tables.typed_data();
   const float* v_table = m_table + 2 * kTableSize - 1;
-  float v_thresholds4[kTableSize - 1];
-  for (int k = 0; k < kTableSize - 1; ++k) {
-    const float t = v_table[kTableSize + k];
-    if (!v_linear && !(t >= FLT_MIN && t <= 1.0f)) {
-      return ffi::Error::InvalidArgument("second-moment thresholds must be normal, in (0, 1]");
-    }
-    v_thresholds4[k] = 4.0f * t;
+  // The encoder of the new v, under the new scales.
+  Rank1Encoder v_encoder;
+  if (ffi::Error error = MakeRank1Encoder(v_table + kTableSize, new_v_cols.typed_data(), h,
+                                          v_linear, v_encoder);
+      error.failure()) {
+    return error;
   }
-  // Inverses of the new scales: times 16 for Linear, times 4 otherwise (see
-  // EncodeSecondMoment).
-  const float inverse_factor = v_linear ? 4.0f : 1.0f;
-  std::vector<float> col_even, col_odd, inv_col_even, inv_col_odd;
+  std::vector<float> col_even, col_odd;
   SplitEvenOdd(h, v_cols.typed_data(), col_even, col_odd);
-  SplitEvenOdd(h, new_v_cols.typed_data(), inv_col_even, inv_col_odd);
-  for (int64_t j = 0; j < h; ++j) {
-    inv_col_even[j] = InverseTimes4(inv_col_even[j]) * inverse_factor;
-    inv_col_odd[j] = InverseTimes4(inv_col_odd[j]) * inverse_factor;
-  }
   ApplyRowsArgs args;
   args.h = h;
   args.g = grad.typed_data();
@@ -456,16 +475,16 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.new_row_scales = new_v_rows.typed_data();
   args.col_even = col_even.data();
   args.col_odd = col_odd.data();
-  args.inv_col_even = inv_col_even.data();
-  args.inv_col_odd = inv_col_odd.data();
+  args.inv_col_even = v_encoder.inv_col_even.data();
+  args.inv_col_odd = v_encoder.inv_col_odd.data();
   args.m_table = m_table;
   args.v_table = v_table;
-  args.v_thresholds4 = v_thresholds4;
+  args.v_thresholds4 = v_encoder.thresholds4;
   args.m_codes = m_codes.typed_data();
   args.v_codes = v_codes.typed_data();
   args.row_base = row_bases.typed_data();
   args.m_seed = seeds.typed_data()[0];
-  args.inverse_factor = inverse_factor;
+  args.inverse_factor = v_encoder.inverse_factor;
   args.c = ReadCoefficients(coef.typed_data());
   args.nesterov = nesterov;
   args.m_stochastic = m_stochastic;

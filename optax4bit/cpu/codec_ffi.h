@@ -124,32 +124,22 @@ ffi::Error EncodeRank14bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       (int64_t)thresholds.element_count() != kTableSize - 1) {
     return ffi::Error::InvalidArgument("codes, scales or thresholds do not match the values");
   }
-  FlushDenormals flush;  // for the scale reciprocals below
-  float thresholds4[kTableSize - 1];
-  for (int k = 0; k < kTableSize - 1; ++k) {
-    const float t = thresholds.typed_data()[k];
-    if (!linear && !(t >= FLT_MIN && t <= 1.0f)) {
-      return ffi::Error::InvalidArgument("thresholds must be normal, in (0, 1]");
-    }
-    thresholds4[k] = 4.0f * t;
-  }
-  // Inverses times 16 for Linear, times 4 otherwise (see EncodeSecondMoment).
-  const float inverse_factor = linear ? 4.0f : 1.0f;
-  std::vector<float> inv_col_even, inv_col_odd;
-  SplitEvenOdd(h, col_scales.typed_data(), inv_col_even, inv_col_odd);
-  for (int64_t j = 0; j < h; ++j) {
-    inv_col_even[j] = InverseTimes4(inv_col_even[j]) * inverse_factor;
-    inv_col_odd[j] = InverseTimes4(inv_col_odd[j]) * inverse_factor;
+  FlushDenormals flush;  // for the scale reciprocals
+  Rank1Encoder encoder;
+  if (ffi::Error error = MakeRank1Encoder(thresholds.typed_data(), col_scales.typed_data(), h,
+                                          linear, encoder);
+      error.failure()) {
+    return error;
   }
   CodecRowsArgs args{};
   args.h = h;
   args.linear = linear;
   args.x = x.typed_data();
   args.row_scales = row_scales.typed_data();
-  args.thresholds4 = thresholds4;
-  args.inv_col_even = inv_col_even.data();
-  args.inv_col_odd = inv_col_odd.data();
-  args.inverse_factor = inverse_factor;
+  args.thresholds4 = encoder.thresholds4;
+  args.inv_col_even = encoder.inv_col_even.data();
+  args.inv_col_odd = encoder.inv_col_odd.data();
+  args.inverse_factor = encoder.inverse_factor;
   args.codes_out = codes->typed_data();
   RunCodecRows(pool, rows, d, args, CurrentCodecPath().encode_rank1_rows);
   return ffi::Error::Success();
