@@ -78,11 +78,15 @@ OPTIMIZERS = {
                                                             implementation="cpu"),
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3),
     "adamw_4bit_factor (paper)": lambda: optax4bit.adamw_4bit_factor(1e-3, recipe="paper"),
+    "adamw_4bit_factor (jnp)": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="jnp"),
+    "adamw_4bit_factor (cpu)": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="cpu"),
     "adamw_8bit": lambda: optax4bit.adamw_8bit(1e-3),
     "optax.sgd": lambda: optax.sgd(1e-3),
     "optax.sgd(momentum)": lambda: optax.sgd(1e-3, 0.9),
     "sgdm_4bit": lambda: optax4bit.sgdm_4bit(1e-3),
     "sgdm_4bit (paper)": lambda: optax4bit.sgdm_4bit(1e-3, recipe="paper"),
+    "sgdm_4bit (jnp)": lambda: optax4bit.sgdm_4bit(1e-3, implementation="jnp"),
+    "sgdm_4bit (cpu)": lambda: optax4bit.sgdm_4bit(1e-3, implementation="cpu"),
     "in-place floor": in_place_floor,
 }
 

@@ -622,6 +622,20 @@ void FactoredSecondMoment(int64_t h, float row, const float* __restrict col_even
   }
 }
 
+// Whether g * g is +inf anywhere in a row of d elements (rare: the restart
+// below then runs on a copy of the row).
+bool SquareOverflows(int64_t d, const float* __restrict g) {
+  VI any = {};
+  for (int64_t k = 0; k < d; k += kLanes) {
+    const VF x = LoadV(g + k);
+    any |= x * x == INFINITY;
+  }
+  for (int k = 0; k < kLanes; ++k) {
+    if (any[k]) return true;
+  }
+  return false;
+}
+
 // optax4bit._steps.restart_factored_overflow: where g * g is +inf the update
 // is 0 * g and the first moment restarts from 0.
 void RestartFactoredOverflow(int64_t h, const float* __restrict g, float* __restrict out,
@@ -654,9 +668,10 @@ void FirstMomentRows(const FirstMomentRowsArgs& a, int64_t lo, int64_t hi, float
       NewFirstMoment(h, g_row, codes, scales, a.m_table, c.b1, c.one_minus_b1, m);
       FactoredSecondMoment(h, a.factor_rows[i], a.col_even, a.col_odd, a.factor_positive,
                            a.factor_inverse, v);
-      std::memcpy(g_copy, g_row, d * sizeof(float));
+      const bool overflows = SquareOverflows(d, g_row);
+      if (overflows) std::memcpy(g_copy, g_row, d * sizeof(float));
       Update(h, m, v, c, out);
-      RestartFactoredOverflow(h, g_copy, out, m);
+      if (overflows) RestartFactoredOverflow(h, g_copy, out, m);
     } else {
       Momentum(a.step == FirstMomentStep::kMomentumNesterov, h, g_row, codes, scales,
                a.m_table, a.momentum, m, out);
