@@ -41,7 +41,8 @@ setuptools.setup(
         setuptools.Extension(
             "optax4bit.cpu._adam_4bit",
             sources=["optax4bit/cpu/adam_4bit.cc"],
-            depends=["optax4bit/cpu/adam_4bit_rows.h"],
+            depends=["optax4bit/cpu/adam_4bit_rows.h", "optax4bit/cpu/first_moment_rows.h",
+                     "optax4bit/cpu/first_moment_step.h"],
             language="c++",
             extra_compile_args=_FLAGS,
             extra_link_args=_LINK_FLAGS,

@@ -107,6 +107,8 @@ def test_sdist_holds_the_kernel_sources(dists):
   with tarfile.open(sdist) as tf:
     names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
   expected = _modules() | {"optax4bit/cpu/adam_4bit.cc", "optax4bit/cpu/adam_4bit_rows.h",
+                           "optax4bit/cpu/first_moment_rows.h",
+                           "optax4bit/cpu/first_moment_step.h",
                            "setup.py", "pyproject.toml", "MANIFEST.in", "README.md"}
   assert not expected - names, f"missing from the sdist: {expected - names}"
 

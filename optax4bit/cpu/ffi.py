@@ -1,11 +1,13 @@
-"""The fused XLA CPU kernel of 4-bit Adam, called through ``jax.ffi``.
+"""The fused XLA CPU kernels of the 4-bit optimizers, called through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers two FFI targets for XLA's CPU backend. Its row kernels
-(``adam_4bit_rows.h``) are compiled per ISA path (`isas`); calls run the best
-one this CPU runs (`isa`) unless ``OPTAX4BIT_CPU_ISA`` names another. It
-covers a 2-D leaf whose last axis is a multiple of 128, with both recipes of
-`optax4bit.recipes` and any pairing of their quantizers (4 bits):
+extension) registers three FFI targets for XLA's CPU backend. Its row kernels
+(``adam_4bit_rows.h``, one set shared by all steps; ``first_moment_rows.h``
+runs them for the steps without a quantized second moment) are compiled per
+ISA path (`isas`); calls run the best one this CPU runs (`isa`) unless
+``OPTAX4BIT_CPU_ISA`` names another. They cover a 2-D leaf whose last axis is
+a multiple of 128, with both recipes of `optax4bit.recipes` and any pairing of
+their quantizers (4 bits):
 
 * first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
   stochastically (the default recipe: ``B128/NF``, stochastic);
@@ -14,7 +16,7 @@ covers a 2-D leaf whose last axis is a multiple of 128, with both recipes of
 
 The maps' entries and thresholds (`_tables`) and the per-leaf stochastic
 rounding seeds (`optax4bit.quant.maps.rounding_seed` of the moment's key) are
-inputs of the calls. One update is two calls:
+inputs of the calls. One Adam update (`CpuSteps.adam`) is two calls:
 
 1. ``stats``: the row and column maxima of the new second moment (rank-1
    scales need the whole new moment before any element is encoded);
@@ -23,12 +25,19 @@ inputs of the calls. One update is two calls:
    place (``input_output_aliases``), split over as many threads as XLA's
    intra-op pool has.
 
+The steps whose only quantized moment is the first are one call,
+``first_moment_apply``, that does the same row by row with the first moment
+alone: heavy-ball momentum (`CpuSteps.momentum`, ``sgdm_4bit``) and Adam with
+a factored second moment (`CpuSteps.factored`, ``adamw_4bit_factor``; the
+factors, updated by the jnp code of `optax4bit.transform`, come in as
+inputs).
+
 It computes what the jnp reference computes, in the form XLA's CPU backend
 compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
 or more; see ``adam_4bit.cc``): codes, scales and updates are bit for bit
 those of ``implementation="jnp"`` there, stochastic rounding included (its
 draws are `optax4bit.quant.maps.hashed_uniform`'s). For a one-row leaf XLA
-compiles the reference's update differently and the two may differ in the
+compiles the reference's Adam update differently and the two may differ in the
 last bits. Other leaves, quantizers and optimizers run the jnp reference.
 """
 
