@@ -114,8 +114,9 @@ def _version_tuple(version: str) -> tuple:
 # Forces the ISA path of the row kernels ("avx512", "avx2" or "baseline"),
 # read when the library loads; for tests and benchmarks.
 ISA_ENV = "OPTAX4BIT_CPU_ISA"
-# The ISA paths whose kernel beats the jnp path (benchmarks/RESULTS.md); the
-# baseline x86-64 path, without AVX2's 8-lane permutes, does not.
+# The ISA paths whose kernels (Adam, momentum, factored) beat the jnp path
+# (benchmarks/RESULTS.md); the baseline x86-64 path, without AVX2's 8-lane
+# permutes, does not.
 _FASTER_THAN_JNP = frozenset({"avx512", "avx2"})
 _library = None  # set by `_load`
 
