@@ -13,9 +13,9 @@ constexpr VI kInterleaveHi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 
 #endif
 
 // The trace g + momentum t of one row (t decoded by table permutes) and the
-// update: the trace, or g + momentum * trace with Nesterov. XLA fuses both
-// multiplies into their adds. out may alias g: each vector of g is read
-// before out's is written.
+// update: the trace, or g + momentum * trace with Nesterov. XLA fuses each
+// multiply by the momentum into its add (fma(t, momentum, g)). out may alias
+// g: each vector of g is read before out's is written.
 template <bool kNesterov>
 __attribute__((always_inline)) inline void MomentumT(
     int64_t h, const float* g, const uint8_t* __restrict codes,
