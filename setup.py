@@ -5,6 +5,7 @@ cannot be built (no C++17 compiler, an unsupported platform) the build goes
 on without it and optax4bit runs its jnp implementation on CPU.
 """
 
+import glob
 import importlib.metadata
 import importlib.util
 import os
@@ -41,8 +42,7 @@ setuptools.setup(
         setuptools.Extension(
             "optax4bit.cpu._adam_4bit",
             sources=["optax4bit/cpu/adam_4bit.cc"],
-            depends=["optax4bit/cpu/adam_4bit_rows.h", "optax4bit/cpu/codec_rows.h",
-                     "optax4bit/cpu/codec_ffi.h"],
+            depends=sorted(glob.glob("optax4bit/cpu/*.h")),
             language="c++",
             extra_compile_args=_FLAGS,
             extra_link_args=_LINK_FLAGS,

@@ -236,7 +236,7 @@ def adamw_4bit_factor(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
+      compiled kernel of `optax4bit.cpu` on CPUs where it
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
@@ -363,7 +363,7 @@ def sgdm_4bit(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
+      compiled kernel of `optax4bit.cpu` on CPUs where it
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).

@@ -355,7 +355,7 @@ def scale_by_factored_adam_4bit(
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
-      the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
+      the compiled kernel of `optax4bit.cpu`, where it is
       installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
       ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
       interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
@@ -471,7 +471,7 @@ def scale_by_momentum_4bit(
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
-      the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
+      the compiled kernel of `optax4bit.cpu`, where it is
       installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
       ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
       interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;

@@ -373,6 +373,179 @@ def test_kernel_sharded_matches_jnp():
                {"update_ulps": result["update_ulps"], "same_nan": same_nan})
 
 
+# The momentum and factored kernels: one first-moment call (its row kernels
+# shared with Adam's), bitwise against the jnp path.
+
+
+def _first_moment_tx(kind, implementation, **kwargs):
+  """``kind``: "momentum", "nesterov" or "factored"."""
+  if kind == "factored":
+    return optax4bit.scale_by_factored_adam_4bit(min_quantize_size=0,
+                                                 implementation=implementation, **kwargs)
+  return optax4bit.scale_by_momentum_4bit(0.9, nesterov=kind == "nesterov", min_quantize_size=0,
+                                          implementation=implementation, **kwargs)
+
+
+def assert_states_bitwise(ref_state, state):
+  for a, b in zip(jax.tree.leaves(ref_state), jax.tree.leaves(state)):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == np.float32:
+      a, b = a.view(np.uint32), b.view(np.uint32)
+    np.testing.assert_array_equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["momentum", "nesterov", "factored"])
+@pytest.mark.parametrize("recipe", ["default", "paper"])
+def test_first_moment_kernels_bitwise_match_jnp(kind, recipe):
+  """sgdm_4bit's and adamw_4bit_factor's steps: several steps with
+  non-finite, zero, tiny and huge gradients (the factored step's overflow
+  restart), on every ISA path this CPU runs; every leaf bitwise, the one-row
+  leaf included (leaves "d" and "e" run the jnp path in both)."""
+  params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
+            for i, (k, s) in enumerate(SHAPES.items())}
+  txs = [_first_moment_tx(kind, impl, recipe=recipe) for impl in ("jnp", "cpu")]
+  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
+  s_ref = txs[0].init(params)
+  states = {name: txs[1].init(params) for name in _runnable_isas()}
+  assert "optax4bit_first_moment_apply" in cpu_fn.lower(params, s_ref).as_text()
+  for step in range(4):
+    grads = _grads(params, step)
+    u_ref, s_ref = ref_fn(grads, s_ref)
+    for name, state in states.items():
+      with isa_path(name):
+        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state))
+      for k in SHAPES:
+        np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
+      assert_states_bitwise(s_ref, s_cpu)
+      states[name] = s_cpu
+
+
+@needs_kernel
+@pytest.mark.parametrize("optimizer", ["sgdm_4bit", "adamw_4bit_factor"])
+def test_first_moment_kernels_bitwise_bf16_and_chunked(optimizer):
+  """bf16 parameters and gradients; a 1024x512 leaf the jnp path runs in 8
+  chunks (stochastic draws must not depend on chunking); every ISA path."""
+  params = {"w": 0.02 * jax.random.normal(jax.random.PRNGKey(0), (1024, 512)),
+            "h": (0.02 * jax.random.normal(jax.random.PRNGKey(1), (96, 512))).astype(jnp.bfloat16)}
+  txs = [getattr(optax4bit, optimizer)(1e-3, min_quantize_size=0, chunk_size=1 << 16,
+                                       implementation=impl) for impl in ("jnp", "cpu")]
+  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
+  s_ref = txs[0].init(params)
+  states = {name: txs[1].init(params) for name in _runnable_isas()}
+  for step in range(2):
+    grads = {k: (0.1 * p.astype(jnp.float32) + 0.01 * jax.random.normal(
+        jax.random.PRNGKey(10 * step + i), p.shape)).astype(p.dtype)
+             for i, (k, p) in enumerate(params.items())}
+    u_ref, s_ref = ref_fn(grads, s_ref, params)
+    for name, state in states.items():
+      with isa_path(name):
+        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state, params))
+      assert u_cpu["h"].dtype == jnp.bfloat16
+      for k in params:
+        np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
+      assert_states_bitwise(s_ref, s_cpu)
+      states[name] = s_cpu
+
+
+@needs_kernel
+def test_first_moment_kernels_decline_what_they_do_not_cover():
+  """`CpuSteps.momentum` and `.factored` return None (the jnp path runs) for
+  leaves outside `covers_first_moment`."""
+  steps = cpu_ffi.CpuSteps()
+  key = jax.random.key(0)
+
+  def trace(shape, spec="B128/DE"):
+    tx = optax4bit.scale_by_momentum_4bit(min_quantize_size=0, first_moment=spec)
+    return tx.init({"w": jnp.zeros(shape)}).trace["w"]
+
+  def momentum(g, t, keys=(None,)):
+    return steps.momentum(g, t, 0.9, False, keys)
+
+  def factored(g, m, keys=(None,)):
+    side = (jnp.ones(g.shape[:-1] + (1,)), jnp.ones(g.shape[:-2] + (1, g.shape[-1])),
+            jnp.ones(g.shape[:-2] + (1, 1)))
+    return steps.factored(g, m, side, 0.9, 0.999, 1e-8, 0.0, jnp.int32(1), keys)
+
+  g = jnp.ones((4, 256))
+  for run in (momentum, factored):
+    assert run(g, trace((4, 256))) is not None
+    assert run(g, trace((4, 256), "B128/NF")) is not None
+    stochastic = optax4bit.QuantSpec.parse("B128/NF", signed=True, stochastic=True)
+    assert run(g, trace((4, 256), stochastic), (key,)) is not None
+    assert run(g, trace((4, 256), stochastic)) is None  # no key: the jnp path raises
+    assert run(jnp.ones((4, 130)), trace((4, 130))) is None
+    assert run(jnp.ones((2, 4, 256)), trace((2, 4, 256))) is None
+    assert run(g, jnp.zeros((4, 256))) is None  # kept in float32
+    for spec in ("B64/DE", "B2048/DE", "Tensor/DE"):
+      assert run(g, trace((4, 256), spec)) is None
+    eight_bit = optax4bit.QuantSpec("block", "DE", 8, signed=True, block_size=128)
+    assert run(g, trace((4, 256), eight_bit)) is None
+  assert momentum(jnp.ones((512,)), trace((512,))) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ISAS)
+def test_auto_runs_the_first_moment_kernel_only_where_it_is_faster(name):
+  if name not in optax4bit.cpu.isas():
+    pytest.skip(f"this CPU does not run the {name} path")
+  params = {"w": jnp.ones((128, 256))}
+  for tx in (optax4bit.sgdm_4bit(1e-3, min_quantize_size=0),
+             optax4bit.adamw_4bit_factor(1e-3, min_quantize_size=0)):
+    with isa_path(name):
+      hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+    assert ("optax4bit_first_moment_apply" in hlo) == (name != "baseline")
+
+
+def _sharded_first_moment_check() -> dict:
+  """sgdm_4bit (both recipes) and adamw_4bit_factor sharded over 8 devices:
+  bitwise against the jnp path (which also runs per shard)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((4, 2), ("x", "y"))
+  shapes = {"w": (8, 512), "c": (6, 256)}
+  specs = {"w": P("x", "y"), "c": P(None, "y")}
+  rng = np.random.RandomState(0)
+  params = {k: jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32),
+                              NamedSharding(mesh, specs[k])) for k, s in shapes.items()}
+  result = {}
+  for name, make in (("sgdm", lambda i: optax4bit.sgdm_4bit(1e-2, min_quantize_size=0,
+                                                            implementation=i)),
+                     ("sgdm_paper", lambda i: optax4bit.sgdm_4bit(
+                         1e-2, min_quantize_size=0, recipe="paper", nesterov=True,
+                         implementation=i)),
+                     ("factor", lambda i: optax4bit.adamw_4bit_factor(
+                         1e-2, min_quantize_size=0, implementation=i))):
+    txs = [make(impl) for impl in ("jnp", "cpu")]
+    states = [tx.init(params) for tx in txs]
+    bitwise = True
+    for _ in range(3):
+      grads = {k: jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32),
+                                 NamedSharding(mesh, specs[k])) for k, s in shapes.items()}
+      out = [jax.jit(tx.update)(grads, s, params) for tx, s in zip(txs, states)]
+      try:
+        for k in shapes:
+          np.testing.assert_array_equal(_bits(out[0][0][k]), _bits(out[1][0][k]))
+        assert_states_bitwise(out[0][1], out[1][1])
+      except AssertionError:
+        bitwise = False
+      states = [o[1] for o in out]
+    hlo = jax.jit(txs[1].update).lower(grads, states[1], params).as_text()
+    result[name] = {"bitwise": bitwise, "kernel_in_hlo": "optax4bit_first_moment_apply" in hlo,
+                    "state_sharding_kept": all(a.sharding == b.sharding for a, b in zip(
+                        jax.tree.leaves(states[0]), jax.tree.leaves(states[1])))}
+  return result
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_first_moment_kernels_sharded_match_jnp():
+  from subprocess_json import run_json  # pylint: disable=import-outside-toplevel
+  result = run_json(os.path.abspath(__file__), "first_moment")
+  assert result == {name: {"bitwise": True, "kernel_in_hlo": True, "state_sharding_kept": True}
+                    for name in ("sgdm", "sgdm_paper", "factor")}, result
+
+
 if __name__ == "__main__":
-  print("RESULTS " + json.dumps(_sharded_check()))
+  check = _sharded_first_moment_check if sys.argv[1:] == ["first_moment"] else _sharded_check
+  print("RESULTS " + json.dumps(check()))
   sys.exit(0)

@@ -1,4 +1,6 @@
-"""A fused XLA CPU kernel (C++, ``jax.ffi``) for 4-bit AdamW, both recipes.
+"""Fused XLA CPU kernels (C++, ``jax.ffi``) for 4-bit AdamW, AdamW with a
+factored second moment (``adamw_4bit_factor``) and SGD with momentum
+(``sgdm_4bit``), both recipes.
 
 On the CPU backend ``implementation="auto"`` (the default of every optimizer)
 runs, on CPUs where it beats the jnp path (`faster_than_jnp`; `isa` names the

@@ -16,6 +16,12 @@
 //   2. Adam4bitApply: per row, decode both moments, run the float32 Adam step,
 //      write the update over the gradient and re-encode both moments in place.
 // No float32 moment is stored: a row's moments live in per-thread scratch.
+// The steps whose only quantized moment is the first, heavy-ball momentum
+// (sgdm_4bit) and Adam with a factored second moment (adamw_4bit_factor,
+// whose float32 factors come in as inputs), are one call,
+// Optax4bitFirstMomentApply (first_moment_step.h, its rows in
+// first_moment_rows.h), that runs the same row kernels for the first moment
+// (decode, encode, rounding).
 // The row kernels are compiled once per ISA path (on x86-64 with GCC: AVX-512,
 // AVX2 and baseline x86-64; elsewhere the compiler's baseline). Calls run the
 // best path this CPU runs unless Optax4bitUseCpuIsa picks another.
@@ -47,6 +53,7 @@
 #include <mutex>
 #include <thread>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #if defined(__SSE__) || defined(_M_X64)
@@ -147,6 +154,31 @@ struct CodecRowsArgs {
   uint8_t* codes_out;
 };
 
+// The steps whose only quantized moment is the first (see FirstMomentImpl).
+enum class FirstMomentStep { kMomentum, kMomentumNesterov, kFactored };
+
+// What the rows of Optax4bitFirstMomentApply read and write.
+struct FirstMomentRowsArgs {
+  int64_t h;
+  FirstMomentStep step;
+  const float *g, *m_scales, *m_table;
+  const uint8_t* m_codes;
+  const uint32_t* row_base;
+  uint32_t m_seed;
+  bool m_stochastic;
+  float momentum;  // momentum steps
+  // Factored: the Adam coefficients, the row factor, the column factor's
+  // even and odd elements, whether the mean of the row factor is positive
+  // and its reciprocal.
+  Coefficients c;
+  const float *factor_rows, *col_even, *col_odd;
+  bool factor_positive;
+  float factor_inverse;
+  float* out;
+  uint8_t* m_out;
+  float* m_scales_out;
+};
+
 // The row kernels of each ISA path, in a namespace of its own (their vectors
 // as wide as the path's registers).
 #ifdef OPTAX4BIT_X86_PATHS
@@ -156,6 +188,7 @@ namespace avx512 {
 #define OPTAX4BIT_ROWS_AVX512 1
 #define OPTAX4BIT_ROWS_AVX2 0
 #include "adam_4bit_rows.h"
+#include "first_moment_rows.h"
 #include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
@@ -167,6 +200,7 @@ namespace avx2 {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 1
 #include "adam_4bit_rows.h"
+#include "first_moment_rows.h"
 #include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
@@ -177,6 +211,7 @@ namespace baseline {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 0
 #include "adam_4bit_rows.h"
+#include "first_moment_rows.h"
 #include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
@@ -188,6 +223,7 @@ struct IsaPath {
   bool (*runs)();
   void (*stats_rows)(const StatsRowsArgs&, int64_t, int64_t, float*, uint32_t*);
   void (*apply_rows)(const ApplyRowsArgs&, int64_t, int64_t, float*);
+  void (*first_moment_rows)(const FirstMomentRowsArgs&, int64_t, int64_t, float*);
 };
 
 #ifdef OPTAX4BIT_X86_PATHS
@@ -208,10 +244,11 @@ bool RunsAvx512() {
 // Best first.
 constexpr IsaPath kIsaPaths[] = {
 #ifdef OPTAX4BIT_X86_PATHS
-    {"avx512", RunsAvx512, avx512::StatsRows, avx512::ApplyRows},
-    {"avx2", RunsAvx2, avx2::StatsRows, avx2::ApplyRows},
+    {"avx512", RunsAvx512, avx512::StatsRows, avx512::ApplyRows, avx512::FirstMomentRows},
+    {"avx2", RunsAvx2, avx2::StatsRows, avx2::ApplyRows, avx2::FirstMomentRows},
 #endif
-    {"baseline", [] { return true; }, baseline::StatsRows, baseline::ApplyRows},
+    {"baseline", [] { return true; }, baseline::StatsRows, baseline::ApplyRows,
+     baseline::FirstMomentRows},
 };
 
 // The path the calls run: the best this CPU runs unless set otherwise.
@@ -224,90 +261,7 @@ std::atomic<const IsaPath*>& CurrentIsaPath() {
   return path;
 }
 
-// Process-wide worker threads, started on first use. XLA's intra-op pool
-// (ffi::ThreadPool) is busy while a custom call runs on it: tasks scheduled
-// there mostly start after the call has finished its rows alone.
-class Workers {
- public:
-  static Workers& Get() {
-    static Workers* workers = new Workers();  // never destroyed: threads outlive main
-    return *workers;
-  }
-
-  // Runs task(w) for w in [1, n) on worker threads; returns at once.
-  void Launch(int64_t n, const std::function<void(int64_t)>& task) {
-    std::lock_guard<std::mutex> lock(mu_);
-    while ((int64_t)threads_ < n - 1) {
-      std::thread([this] { Loop(); }).detach();
-      ++threads_;
-    }
-    for (int64_t w = 1; w < n; ++w) queue_.push_back([task, w] { task(w); });
-    cv_.notify_all();
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return !queue_.empty(); });
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      task();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  size_t threads_ = 0;
-};
-
-// Splits rows into chunks run by the caller and up to n - 1 worker threads,
-// n = the size of XLA's intra-op pool; body(lo, hi, worker) with worker <
-// NumWorkers(). The caller waits only for chunks some thread has claimed, so
-// a worker that starts late (or never) cannot block it.
-class RowSplitter {
- public:
-  RowSplitter(ffi::ThreadPool& pool, int64_t rows, int64_t row_size) : rows_(rows) {
-    grain_ = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_size, 1));
-    chunks_ = (rows + grain_ - 1) / grain_;
-    workers_ = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), chunks_));
-  }
-
-  int64_t NumWorkers() const { return workers_; }
-
-  template <typename Body>
-  void Run(const Body& body) {
-    auto shared = std::make_shared<Shared>();
-    const int64_t rows = rows_, grain = grain_, chunks = chunks_;
-    const Body* body_ptr = &body;
-    auto work = [shared, body_ptr, rows, grain, chunks](int64_t worker) {
-      FlushDenormals flush;
-      for (int64_t c; (c = shared->next.fetch_add(1)) < chunks;) {
-        (*body_ptr)(c * grain, std::min(rows, (c + 1) * grain), worker);
-        if (shared->done.fetch_add(1) + 1 == chunks) {
-          std::lock_guard<std::mutex> lock(shared->mu);
-          shared->cv.notify_all();
-        }
-      }
-    };
-    if (workers_ > 1) Workers::Get().Launch(workers_, work);
-    work(0);
-    std::unique_lock<std::mutex> lock(shared->mu);
-    shared->cv.wait(lock, [&] { return shared->done.load() == chunks; });
-  }
-
- private:
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  int64_t rows_, grain_, chunks_, workers_;
-};
+#include "row_splitter.h"
 
 // The even and odd elements of a row of d = 2h values.
 void SplitEvenOdd(int64_t h, const float* x, std::vector<float>& even, std::vector<float>& odd) {
@@ -578,4 +532,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
                                   .Ret<ffi::Buffer<ffi::U8>>()   // v codes (in place)
 );
 
+// The fused step of momentum and factored Adam.
+#include "first_moment_step.h"
+
+// The 4-bit codecs.
 #include "codec_ffi.h"

@@ -1,5 +1,6 @@
-// Row kernels of the fused 4-bit Adam step (adam_4bit.cc), which includes
-// this file once per ISA path, each time inside a namespace of its own and
+// Row kernels of the fused 4-bit steps of adam_4bit.cc (Adam; at the end,
+// momentum and factored Adam, which share Adam's first-moment kernels). It
+// includes this file once per ISA path, each time inside a namespace of its own and
 // under a `#pragma GCC target` for it (no include guard; what it uses is
 // included and defined before). OPTAX4BIT_ROWS_AVX512 is 1 in the AVX-512
 // path, OPTAX4BIT_ROWS_AVX2 in the AVX2 path.
@@ -27,12 +28,26 @@ constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}
 constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 #endif
 
+// Lane orders that interleave an even and an odd vector back into order.
+#if OPTAX4BIT_ROWS_AVX2
+constexpr VI kInterleaveLo = {0, 8, 1, 9, 2, 10, 3, 11};
+constexpr VI kInterleaveHi = {4, 12, 5, 13, 6, 14, 7, 15};
+#else
+constexpr VI kInterleaveLo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+constexpr VI kInterleaveHi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#endif
+
 inline VF LoadV(const float* p) {
   VF v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
+// Stores the even elements e and odd elements o of 2 kLanes values in order.
+inline void StoreInterleaved(float* out, VF e, VF o) {
+  StoreV(out, __builtin_shuffle(e, o, kInterleaveLo));
+  StoreV(out + kLanes, __builtin_shuffle(e, o, kInterleaveHi));
+}
 // kLanes code bytes widened to ints: one vpmovzxbd where the path has it (GCC
 // turns a direct uint8 -> int32 conversion into scalar code, and the one
 // through uint16 below into a chain of nine instructions on AVX-512).
@@ -552,4 +567,3 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
                        a.inv_col_even, a.inv_col_odd, v_thresholds4, a.v_out + i * h);
   }
 }
-

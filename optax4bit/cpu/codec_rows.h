@@ -7,19 +7,6 @@
 // Rows hold d = 2h values in their natural order; codes pack element 2j in
 // the low nibble of byte j and element 2j + 1 in the high one.
 
-#if OPTAX4BIT_ROWS_AVX2
-constexpr VI kInterleaveLo = {0, 8, 1, 9, 2, 10, 3, 11};
-constexpr VI kInterleaveHi = {4, 12, 5, 13, 6, 14, 7, 15};
-#else
-constexpr VI kInterleaveLo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-constexpr VI kInterleaveHi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-#endif
-
-// Stores the even elements e and odd elements o of 2 kLanes values in order.
-inline void StoreInterleaved(float* out, VF e, VF o) {
-  StoreV(out, __builtin_shuffle(e, o, kInterleaveLo));
-  StoreV(out + kLanes, __builtin_shuffle(e, o, kInterleaveHi));
-}
 
 // Splits a row of 2h values into its even (x[0, h)) and odd (x[h, 2h)) ones.
 void SplitRow(int64_t h, const float* __restrict row, float* __restrict x) {

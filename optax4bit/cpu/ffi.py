@@ -1,11 +1,13 @@
-"""The fused XLA CPU kernel of 4-bit Adam, called through ``jax.ffi``.
+"""The fused XLA CPU kernels of the 4-bit optimizers, called through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers two FFI targets for XLA's CPU backend. Its row kernels
-(``adam_4bit_rows.h``) are compiled per ISA path (`isas`); calls run the best
-one this CPU runs (`isa`) unless ``OPTAX4BIT_CPU_ISA`` names another. It
-covers a 2-D leaf whose last axis is a multiple of 128, with both recipes of
-`optax4bit.recipes` and any pairing of their quantizers (4 bits):
+extension) registers three FFI targets for XLA's CPU backend. Its row kernels
+(``adam_4bit_rows.h``, one set shared by all steps; ``first_moment_rows.h``
+runs them for the steps without a quantized second moment) are compiled per
+ISA path (`isas`); calls run the best one this CPU runs (`isa`) unless
+``OPTAX4BIT_CPU_ISA`` names another. They cover a 2-D leaf whose last axis is
+a multiple of 128, with both recipes of `optax4bit.recipes` and any pairing of
+their quantizers (4 bits):
 
 * first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
   stochastically (the default recipe: ``B128/NF``, stochastic);
@@ -14,7 +16,7 @@ covers a 2-D leaf whose last axis is a multiple of 128, with both recipes of
 
 The maps' entries and thresholds (`_tables`) and the per-leaf stochastic
 rounding seeds (`optax4bit.quant.maps.rounding_seed` of the moment's key) are
-inputs of the calls. One update is two calls:
+inputs of the calls. One Adam update (`CpuSteps.adam`) is two calls:
 
 1. ``stats``: the row and column maxima of the new second moment (rank-1
    scales need the whole new moment before any element is encoded);
@@ -23,12 +25,19 @@ inputs of the calls. One update is two calls:
    place (``input_output_aliases``), split over as many threads as XLA's
    intra-op pool has.
 
+The steps whose only quantized moment is the first are one call,
+``first_moment_apply``, that does the same row by row with the first moment
+alone: heavy-ball momentum (`CpuSteps.momentum`, ``sgdm_4bit``) and Adam with
+a factored second moment (`CpuSteps.factored`, ``adamw_4bit_factor``; the
+factors, updated by the jnp code of `optax4bit.transform`, come in as
+inputs).
+
 It computes what the jnp reference computes, in the form XLA's CPU backend
 compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
 or more; see ``adam_4bit.cc``): codes, scales and updates are bit for bit
 those of ``implementation="jnp"`` there, stochastic rounding included (its
 draws are `optax4bit.quant.maps.hashed_uniform`'s). For a one-row leaf XLA
-compiles the reference's update differently and the two may differ in the
+compiles the reference's Adam update differently and the two may differ in the
 last bits. Other leaves, quantizers and optimizers run the jnp reference.
 """
 
@@ -48,17 +57,18 @@ import numpy as np
 import optax
 
 from optax4bit import sharding as _sharding
-from optax4bit._steps import adam_coefficients
+from optax4bit._steps import adam_coefficients, momentum_coefficients
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.spec import QuantSpec
 
 __all__ = ["available", "faster_than_jnp", "isa", "isas", "unavailable_reason", "covers",
-           "adam_leaf", "CpuSteps"]
+           "covers_first_moment", "adam_leaf", "first_moment_leaf", "CpuSteps"]
 
 _LIBRARY = "_adam_4bit"
 _STATS_TARGET = "optax4bit_adam_4bit_stats"
 _APPLY_TARGET = "optax4bit_adam_4bit_apply"
+_FIRST_MOMENT_TARGET = "optax4bit_first_moment_apply"
 # The quantizers the kernel runs: every combination of a first and a second moment.
 _FIRST_MOMENTS = tuple(QuantSpec("block", mapping, 4, signed=True, block_size=128,
                                  stochastic=stochastic)
@@ -68,11 +78,18 @@ _SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False)
 
 
 @functools.cache
+def _first_moment_tables(mapping: str) -> np.ndarray:
+  """The first moment's 16 entries, then the 15 thresholds nearest rounding
+  compares with (the ``tables`` input of the first-moment call)."""
+  return np.concatenate([maps.qmap(mapping, 4, True),
+                         maps.midpoint_thresholds(mapping, 4, True)]).astype(np.float32)
+
+
+@functools.cache
 def _tables(first_mapping: str, second_mapping: str) -> np.ndarray:
-  """The kernel's ``tables`` input: each moment's 16 entries, then the 15
+  """The Adam calls' ``tables`` input: each moment's 16 entries, then the 15
   thresholds nearest rounding compares with; first moment, then second."""
-  return np.concatenate([maps.qmap(first_mapping, 4, True),
-                         maps.midpoint_thresholds(first_mapping, 4, True),
+  return np.concatenate([_first_moment_tables(first_mapping),
                          maps.qmap(second_mapping, 4, False),
                          maps.midpoint_thresholds(second_mapping, 4, False)]).astype(np.float32)
 
@@ -97,8 +114,9 @@ def _version_tuple(version: str) -> tuple:
 # Forces the ISA path of the row kernels ("avx512", "avx2" or "baseline"),
 # read when the library loads; for tests and benchmarks.
 ISA_ENV = "OPTAX4BIT_CPU_ISA"
-# The ISA paths whose kernel beats the jnp path (benchmarks/RESULTS.md); the
-# baseline x86-64 path, without AVX2's 8-lane permutes, does not.
+# The ISA paths whose kernels (Adam, momentum, factored) beat the jnp path
+# (benchmarks/RESULTS.md); the baseline x86-64 path, without AVX2's 8-lane
+# permutes, does not.
 _FASTER_THAN_JNP = frozenset({"avx512", "avx2"})
 _library = None  # set by `_load`
 
@@ -141,6 +159,9 @@ def _load_library() -> Optional[str]:
       _STATS_TARGET, jax.ffi.pycapsule(library.Optax4bitAdam4bitStats), platform="cpu")
   jax.ffi.register_ffi_target(
       _APPLY_TARGET, jax.ffi.pycapsule(library.Optax4bitAdam4bitApply), platform="cpu")
+  jax.ffi.register_ffi_target(_FIRST_MOMENT_TARGET,
+                              jax.ffi.pycapsule(library.Optax4bitFirstMomentApply),
+                              platform="cpu")
   return None
 
 
@@ -202,18 +223,28 @@ def unavailable_reason() -> Optional[str]:
   return _load()
 
 
+def _covers_grad(grad) -> bool:
+  shape = tuple(grad.shape)
+  return (len(shape) == 2 and shape[0] > 0 and shape[1] % 128 == 0
+          and jnp.issubdtype(grad.dtype, jnp.floating))
+
+
 def covers(grad, moments) -> bool:
-  """Whether the kernel computes this leaf: a 2-D leaf with at least one row,
-  a last axis that is a multiple of 128 and moments quantized with 4 bits
-  as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic rounding) and
-  ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest rounding)."""
+  """Whether the Adam kernel computes this leaf: a 2-D leaf with at least one
+  row, a last axis that is a multiple of 128 and moments quantized with 4
+  bits as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic rounding)
+  and ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest rounding)."""
   if len(moments) != 2 or not all(isinstance(m, QuantizedArray) for m in moments):
     return False
   m, v = moments
-  shape = tuple(grad.shape)
-  return (m.spec in _FIRST_MOMENTS and v.spec in _SECOND_MOMENTS and len(shape) == 2
-          and shape[0] > 0 and shape[1] % 128 == 0
-          and jnp.issubdtype(grad.dtype, jnp.floating))
+  return m.spec in _FIRST_MOMENTS and v.spec in _SECOND_MOMENTS and _covers_grad(grad)
+
+
+def covers_first_moment(grad, moment) -> bool:
+  """Whether the momentum and factored kernels compute this leaf: a leaf
+  `covers` accepts, with its first moment (the only quantized one) as there."""
+  return (isinstance(moment, QuantizedArray) and moment.spec in _FIRST_MOMENTS
+          and _covers_grad(grad))
 
 
 def _coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
@@ -270,6 +301,14 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
                                 v_linear=np.bool_(v.spec.mapping == "Linear"))
 
 
+def _row_bases(shape):
+  """Each row's flat index in the whole leaf (global on a shard), for the
+  stochastic rounding hash."""
+  shard = _sharding.shard_origin()
+  return (maps.row_hash_bases(shape) if shard is None else
+          maps.row_hash_bases(shape, shard[1], shard[0]))
+
+
 def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(None, None)):
   """One Adam step of a leaf `covers` accepts; returns ``(update, (m, v))``.
 
@@ -284,21 +323,49 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
   new_scales = _stats_call(g, m, v, coef)
   if reduce_scales is not None:
     new_scales = tuple(reduce_scales(new_scales, normalize.layout_for(v.spec, v.shape)))
-  # Each row's flat index in the whole leaf (global on a shard), for the hash.
-  shard = _sharding.shard_origin()
-  row_bases = (maps.row_hash_bases(g.shape) if shard is None else
-               maps.row_hash_bases(g.shape, shard[1], shard[0]))
   update, m_codes, block_scales, v_codes = _apply_call(g, m, v, new_scales, coef, nesterov,
-                                                       seeds, row_bases)
+                                                       seeds, _row_bases(g.shape))
   new_m = QuantizedArray(m_codes, (block_scales,), m.spec, m.shape, m.dtype)
   new_v = QuantizedArray(v_codes, tuple(new_scales), v.spec, v.shape, v.dtype)
   return update.astype(grad.dtype), (new_m, new_v)
 
 
+def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=None):
+  """One step of a leaf `covers_first_moment` accepts whose only quantized
+  moment is the first; returns ``(update, m)``.
+
+  ``step``: ``"momentum"`` or ``"momentum_nesterov"`` (``coef``:
+  `optax4bit._steps.momentum_coefficients`) or ``"factored"`` (``coef``:
+  `_coefficients`; ``side``: the ``(row, col, row_mean)`` of the factored
+  second moment, see `optax4bit._steps.factored_step`). ``key``: the PRNG key
+  of a first moment rounded stochastically (else None).
+  """
+  (block_scales,) = m.scales
+  g = grad.astype(jnp.float32)
+  if step == "factored":
+    row, col, row_mean = side
+    factors = (row.reshape(-1), col.reshape(-1), row_mean.reshape(-1))
+  else:
+    factors = (jnp.zeros((0,), jnp.float32),) * 3
+  seed = _seeds((m,), (key,))
+  out_types = (jax.ShapeDtypeStruct(g.shape, jnp.float32),
+               jax.ShapeDtypeStruct(m.codes.shape, jnp.uint8),
+               jax.ShapeDtypeStruct(block_scales.shape, jnp.float32))
+  update, codes, block_scales = jax.ffi.ffi_call(
+      _FIRST_MOMENT_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2},
+      vmap_method="sequential")(g, m.codes, block_scales, coef,
+                                jnp.asarray(_first_moment_tables(m.spec.mapping)), seed,
+                                _row_bases(g.shape), *factors, step=step,
+                                m_stochastic=np.bool_(m.spec.stochastic))
+  new_m = QuantizedArray(codes, (block_scales,), m.spec, m.shape, m.dtype)
+  return update.astype(grad.dtype), new_m
+
+
 class CpuSteps:
   """The fused steps of `optax4bit.dispatch.fused_steps` on XLA's CPU
-  backend: Adam only; every method returns ``(update, new_moments)`` or None
-  where the kernel does not cover the leaf (the caller runs the jnp path)."""
+  backend: Adam, Adam with a factored second moment and momentum; every
+  method returns ``(update, new_moments)`` or None where the kernel does not
+  cover the leaf (the caller runs the jnp path)."""
 
   def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None):
     moments = tuple(moments)
@@ -318,10 +385,31 @@ class CpuSteps:
         lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments), keys,
         hashes_global_index=True)
 
-  def factored(self, *args, **kwargs):
-    del args, kwargs
-    return None
+  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None):
+    """``side``: ``(row, col, row_mean)`` of the (already updated) factored
+    second moment, as `optax4bit.transform` computes them."""
+    return self._first_moment("factored", grad, moment, side,
+                              _coefficients(b1, b2, eps, eps_root, count_inc), keys)
 
-  def momentum(self, *args, **kwargs):
-    del args, kwargs
-    return None
+  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None):
+    return self._first_moment("momentum_nesterov" if nesterov else "momentum", grad, trace, (),
+                              momentum_coefficients(momentum), keys)
+
+  def _first_moment(self, step, grad, moment, side, coef, keys):
+    if not covers_first_moment(grad, moment):
+      return None
+    keys = (None,) if keys is None else tuple(keys)
+    if moment.spec.stochastic and keys[0] is None:
+      return None  # the jnp path raises its error
+
+    def local(g, local_moments, local_side, local_keys, reduce_scales, consts):
+      del reduce_scales  # block scales need no other shard
+      update, m = first_moment_leaf(step, g, local_moments[0], consts[0], local_side,
+                                    local_keys[0])
+      return update, (m,)
+
+    return _sharding.run_fused(
+        local, grad, (moment,), tuple(side), (coef,),
+        lambda local_shape: covers_first_moment(
+            jax.ShapeDtypeStruct(local_shape, grad.dtype), moment), keys,
+        hashes_global_index=True)

@@ -1,0 +1,118 @@
+// The FFI handler of the fused steps whose only quantized moment is the
+// first (heavy-ball momentum, Adam with a factored second moment), included
+// at the end of adam_4bit.cc: it runs FirstMomentRows (first_moment_rows.h)
+// of the current ISA path over the rows, as ApplyImpl runs Adam's.
+
+namespace {
+
+// One step of an optimizer whose only quantized moment is the first, B128 as
+// Adam's (its codes, block scales, tables and seed as ApplyImpl's), in one
+// call: rows are independent. step: "momentum" and "momentum_nesterov"
+// (optax4bit._steps.momentum_step; coef: the momentum) or "factored"
+// (optax4bit._steps.factored_step; coef: the 12 Adam coefficients,
+// factor_rows (rows,), factor_cols (d,) and factor_mean (1,): the factored
+// second moment's row and column factors and the mean of the row factor;
+// empty for the momentum steps).
+ffi::Error FirstMomentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
+                           ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
+                           ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::F32> tables,
+                           ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::U32> row_bases,
+                           ffi::Buffer<ffi::F32> factor_rows, ffi::Buffer<ffi::F32> factor_cols,
+                           ffi::Buffer<ffi::F32> factor_mean, std::string_view step,
+                           bool m_stochastic, ffi::ResultBuffer<ffi::F32> update,
+                           ffi::ResultBuffer<ffi::U8> m_codes_out,
+                           ffi::ResultBuffer<ffi::F32> m_scales_out) {
+  FirstMomentRowsArgs args;
+  if (step == "momentum") {
+    args.step = FirstMomentStep::kMomentum;
+  } else if (step == "momentum_nesterov") {
+    args.step = FirstMomentStep::kMomentumNesterov;
+  } else if (step == "factored") {
+    args.step = FirstMomentStep::kFactored;
+  } else {
+    return ffi::Error::InvalidArgument("step must be momentum, momentum_nesterov or factored");
+  }
+  const bool factored = args.step == FirstMomentStep::kFactored;
+  const auto dims = grad.dimensions();
+  if (dims.size() != 2 || dims[1] % (2 * kBlockBytes) != 0) {
+    return ffi::Error::InvalidArgument("grad must be 2-D with a multiple of 128 columns");
+  }
+  const int64_t rows = dims[0], d = dims[1], h = d / 2, blocks = h / kBlockBytes;
+  if ((int64_t)m_codes.element_count() != rows * h ||
+      (int64_t)m_scales.element_count() != rows * blocks) {
+    return ffi::Error::InvalidArgument("first-moment codes or scales do not match grad");
+  }
+  if ((int64_t)coef.element_count() != (factored ? kCoefSize : 1)) {
+    return ffi::Error::InvalidArgument(
+        "coef must hold the momentum, or the 12 Adam coefficients of the factored step");
+  }
+  if ((int64_t)tables.element_count() != 2 * kTableSize - 1) {
+    return ffi::Error::InvalidArgument("tables must hold 16 entries and 15 thresholds");
+  }
+  if (seed.element_count() != 1 || (int64_t)row_bases.element_count() != rows) {
+    return ffi::Error::InvalidArgument("seed must hold one uint32, row_bases one per row");
+  }
+  if (factored && ((int64_t)factor_rows.element_count() != rows ||
+                   (int64_t)factor_cols.element_count() != d ||
+                   factor_mean.element_count() != 1)) {
+    return ffi::Error::InvalidArgument("factors do not match grad");
+  }
+  FlushDenormals flush;  // also for the reciprocal of the mean below
+  std::vector<float> col_even, col_odd;
+  args.h = h;
+  args.g = grad.typed_data();
+  args.m_scales = m_scales.typed_data();
+  args.m_table = tables.typed_data();
+  args.m_codes = m_codes.typed_data();
+  args.row_base = row_bases.typed_data();
+  args.m_seed = seed.typed_data()[0];
+  args.m_stochastic = m_stochastic;
+  args.momentum = factored ? 0.0f : coef.typed_data()[0];
+  args.c = factored ? ReadCoefficients(coef.typed_data()) : Coefficients{};
+  args.factor_rows = nullptr;
+  args.col_even = args.col_odd = nullptr;
+  args.factor_positive = false;
+  args.factor_inverse = 0.0f;
+  if (factored) {
+    SplitEvenOdd(h, factor_cols.typed_data(), col_even, col_odd);
+    const float mean = factor_mean.typed_data()[0];
+    args.factor_rows = factor_rows.typed_data();
+    args.col_even = col_even.data();
+    args.col_odd = col_odd.data();
+    args.factor_positive = mean > 0.0f;
+    args.factor_inverse = 1.0f / (args.factor_positive ? mean : 1.0f);
+  }
+  args.out = update->typed_data();
+  args.m_out = m_codes_out->typed_data();
+  args.m_scales_out = m_scales_out->typed_data();
+  const IsaPath& isa = *CurrentIsaPath().load();
+  RowSplitter splitter(pool, rows, d);
+  std::vector<std::vector<float>> scratch(splitter.NumWorkers());
+  splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
+    scratch[worker].resize(3 * d);
+    isa.first_moment_rows(args, lo, hi, scratch[worker].data());
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitFirstMomentApply, FirstMomentImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // grad (rows, d)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // m codes (rows, d / 2)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m block scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m tables (31,)
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // rounding seed (1,)
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // row hash bases (rows,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // row factor (rows,) or (0,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // column factor (d,) or (0,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // row factor mean (1,) or (0,)
+                                  .Attr<std::string_view>("step")
+                                  .Attr<bool>("m_stochastic")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // update (aliases grad)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)
+);
