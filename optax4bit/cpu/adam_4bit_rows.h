@@ -63,8 +63,18 @@ inline VI LoadCodes(const uint8_t* p) {
 #endif
 }
 inline void StoreCodes(uint8_t* p, VI codes) {
+#if OPTAX4BIT_ROWS_AVX2
+  // The low bytes gathered by a byte shuffle per 128-bit lane and a permute
+  // (GCC lowers the conversion below to one vpextrd, shift and or per lane).
+  const __m256i low_bytes = _mm256_shuffle_epi8(
+      (__m256i)codes, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                       0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i packed = _mm256_permutevar8x32_epi32(low_bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  _mm_storel_epi64((__m128i*)p, _mm256_castsi256_si128(packed));
+#else
   const VB v = __builtin_convertvector(codes, VB);
   std::memcpy(p, &v, sizeof(v));
+#endif
 }
 
 // A 16-entry table in registers (a map's entries or thresholds) and a
@@ -74,6 +84,9 @@ struct Table {
 };
 struct IntTable32 {
   VI part[32 / kLanes];
+#if OPTAX4BIT_ROWS_AVX2
+  __m256i bytes[2];  // the low bytes of entries [0, 16) and [16, 32), in both lanes
+#endif
 };
 
 inline Table LoadTable(const float* p) {
@@ -96,10 +109,13 @@ inline VF Lookup(const Table& t, VI index) {
 }
 
 inline VI Lookup(const IntTable32& t, VI index) {
+  // Entries in [0, 256): byte shuffles of the entries' low bytes (both
+  // 128-bit lanes hold the same 16), a blend on bit 4 and the low byte kept.
   const __m256i i = (__m256i)index;
-  const __m256 lo = Lookup8x2((__m256)t.part[0], (__m256)t.part[1], i);
-  const __m256 hi = Lookup8x2((__m256)t.part[2], (__m256)t.part[3], i);
-  return (VI)_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i, 27)));
+  const __m256i lo = _mm256_shuffle_epi8(t.bytes[0], i);
+  const __m256i hi = _mm256_shuffle_epi8(t.bytes[1], i);
+  const __m256i r = _mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(i, _mm256_set1_epi32(15)));
+  return (VI)_mm256_and_si256(r, _mm256_set1_epi32(0xFF));
 }
 #else
 inline VF Lookup(const Table& t, VI index) { return __builtin_shuffle(t.part[0], index); }
@@ -383,6 +399,13 @@ struct FirstMomentRounding {
       fast = count - cell_lowers[c] <= 1;
     }
     std::memcpy(cell_lower.part, cell_lowers, sizeof(cell_lowers));
+#if OPTAX4BIT_ROWS_AVX2
+    uint8_t low_bytes[2][32];
+    for (int k = 0; k < kCells; ++k) low_bytes[k / 16][k % 16] = low_bytes[k / 16][k % 16 + 16] =
+        (uint8_t)cell_lowers[k];
+    std::memcpy(&cell_lower.bytes[0], low_bytes[0], 32);
+    std::memcpy(&cell_lower.bytes[1], low_bytes[1], 32);
+#endif
   }
 
   float Cell(float n) const { return MulAdd(n, cell_scale, cell_offset); }
