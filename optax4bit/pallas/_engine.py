@@ -154,8 +154,13 @@ def encode_stochastic(n, uniform, spec: QuantSpec, div=jnp.divide):
   the division taken by ``div`` (correctly rounded on the GPU)."""
   table = maps.qmap(spec.mapping, spec.bits, spec.signed)
   n = jnp.clip(n, table[0], table[-1])
-  lower, low_value, high_value = maps.bracket(n, table)
-  gap = high_value - low_value
+  lower, low_value, _ = maps.bracket(n, table)
+  # The gap to the next entry from a table of the same float32 differences
+  # rather than from the bracket's upper entry: one float fewer live through
+  # the search keeps the ragged steps within ptxas's register targets.
+  gaps = np.append(np.diff(table), np.float32(0))
+  decided = [(lower & (1 << (spec.bits - 1 - level))) != 0 for level in range(spec.bits)]
+  gap = maps._select_by_bits(decided, list(gaps))  # pylint: disable=protected-access
   round_up_probability = jnp.where(gap > 0, div(n - low_value, jnp.where(gap > 0, gap, 1)), 0)
   return lower + (uniform < round_up_probability).astype(jnp.int32)
 
