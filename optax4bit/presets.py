@@ -198,6 +198,7 @@ def muon_4bit(
     quantize_mask: MaskOrFn = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
+    implementation: str = "auto",
     **muon_kwargs,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon with a 4-bit momentum: a drop-in for ``optax.contrib.muon``.
@@ -248,6 +249,7 @@ def muon_4bit(
       full precision.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of elementwise updates.
+    implementation: ``"auto"`` / ``"jnp"`` (see `quantize_state`).
     **muon_kwargs: any other argument of the installed
       ``optax.contrib.muon`` (``adaptive``, ``adam_b1``, ``adam_b2``,
       ``adam_weight_decay``, ...), passed through.
@@ -282,4 +284,4 @@ def muon_4bit(
                mu_dtype=mu_dtype, nesterov=nesterov, **muon_kwargs)
   return quantize_state(inner, spec_for=spec_for, min_quantize_size=min_quantize_size,
                         quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
-                        recipe=recipe)
+                        recipe=recipe, implementation=implementation)

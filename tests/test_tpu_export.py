@@ -25,9 +25,10 @@ OPTIMIZERS = {
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="jnp"),
     "sgdm_4bit": lambda: optax4bit.sgdm_4bit(1e-2, implementation="jnp"),
     "adamw_8bit": lambda: optax4bit.adamw_8bit(1e-3, implementation="jnp"),
-    "lion_4bit": lambda: optax4bit.lion_4bit(1e-4),
-    "muon_4bit": lambda: optax4bit.muon_4bit(1e-2),
-    "quantize_state(adam)": lambda: optax4bit.quantize_state(optax.adam(1e-3)),
+    "lion_4bit": lambda: optax4bit.lion_4bit(1e-4, implementation="jnp"),
+    "muon_4bit": lambda: optax4bit.muon_4bit(1e-2, implementation="jnp"),
+    "quantize_state(adam)": lambda: optax4bit.quantize_state(optax.adam(1e-3),
+                                                             implementation="jnp"),
 }
 
 PARAMS = {"w1": jnp.zeros((64, 256)), "b1": jnp.zeros((256,)), "w2": jnp.zeros((256, 128)),
@@ -63,3 +64,4 @@ def test_train_step_exports_for_tpu(name):
 def test_auto_on_tpu_runs_the_jnp_path(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   assert optax4bit.dispatch.fused_steps("auto") is None
+  assert optax4bit.dispatch.codecs("auto") is None
