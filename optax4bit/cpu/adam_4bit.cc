@@ -132,6 +132,32 @@ struct ApplyRowsArgs {
   float* m_scales_out;
 };
 
+// 8-bit Adam (Adam8bitApply): blocks of 256 elements of a row, and the
+// buckets of NearestCodes256 (adam_4bit_rows.h; optax4bit.cpu.ffi._buckets
+// builds their tables with the same constants): |n| clamped to [2**-22, 1],
+// 128 buckets per octave.
+constexpr int64_t kBlock8 = 256;
+constexpr int32_t kBucketLowBits = (127 - 22) << 23;
+constexpr int32_t kBucketHighBits = 127 << 23;
+constexpr int kBucketShift = 23 - 7;
+constexpr int32_t kBuckets8 = ((kBucketHighBits - kBucketLowBits) >> kBucketShift) + 1;
+// Per moment: 2 kBuckets8 counts (positive n, then negative), 3 bytes of padding.
+constexpr int64_t kBucketTableSize = 2 * kBuckets8 + 3;
+// Per moment: 256 entries, 255 midpoint thresholds and +inf.
+constexpr int64_t kTables8Size = 4 * 256;
+
+// What the rows of Adam8bitApply read and write; see Apply8bitImpl.
+struct Apply8bitRowsArgs {
+  int64_t h;  // half the row length
+  const float *g, *m_scales, *v_scales, *m_table, *v_table, *m_thresholds, *v_thresholds;
+  const uint8_t *m_codes, *v_codes, *m_buckets, *v_buckets;
+  Coefficients c;
+  bool nesterov;
+  float* out;
+  uint8_t *m_out, *v_out;
+  float *m_scales_out, *v_scales_out;
+};
+
 // The row kernels of each ISA path, in a namespace of its own (their vectors
 // as wide as the path's registers).
 #ifdef OPTAX4BIT_X86_PATHS
@@ -170,6 +196,7 @@ struct IsaPath {
   bool (*runs)();
   void (*stats_rows)(const StatsRowsArgs&, int64_t, int64_t, float*, uint32_t*);
   void (*apply_rows)(const ApplyRowsArgs&, int64_t, int64_t, float*);
+  void (*apply_8bit_rows)(const Apply8bitRowsArgs&, int64_t, int64_t, float*);
 };
 
 #ifdef OPTAX4BIT_X86_PATHS
@@ -190,10 +217,13 @@ bool RunsAvx512() {
 // Best first.
 constexpr IsaPath kIsaPaths[] = {
 #ifdef OPTAX4BIT_X86_PATHS
-    {"avx512", RunsAvx512, avx512::StatsRows, avx512::ApplyRows},
-    {"avx2", RunsAvx2, avx2::StatsRows, avx2::ApplyRows},
+    {"avx512", RunsAvx512, avx512::StatsRows, avx512::ApplyRows,
+     avx512::Apply8bitRows},
+    {"avx2", RunsAvx2, avx2::StatsRows, avx2::ApplyRows,
+     avx2::Apply8bitRows},
 #endif
-    {"baseline", [] { return true; }, baseline::StatsRows, baseline::ApplyRows},
+    {"baseline", [] { return true; }, baseline::StatsRows, baseline::ApplyRows,
+     baseline::Apply8bitRows},
 };
 
 // The path the calls run: the best this CPU runs unless set otherwise.
@@ -466,6 +496,75 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   return ffi::Error::Success();
 }
 
+// One step of 8-bit Adam (optax4bit.adamw_8bit) for one leaf, in one call:
+// per row, decode both moments (256-entry tables), run the float32 Adam step,
+// write the update over the gradient and re-encode both moments in place,
+// block by block (each block's scale is the maximum of its new values; no
+// statistics of the whole leaf are needed). tables: each moment's entries,
+// thresholds and +inf (kTables8Size floats); buckets: each moment's
+// kBucketTableSize counts.
+ffi::Error Apply8bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
+                         ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
+                         ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_scales,
+                         ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::F32> tables,
+                         ffi::Buffer<ffi::U8> buckets, bool nesterov,
+                         ffi::ResultBuffer<ffi::F32> update,
+                         ffi::ResultBuffer<ffi::U8> m_codes_out,
+                         ffi::ResultBuffer<ffi::F32> m_scales_out,
+                         ffi::ResultBuffer<ffi::U8> v_codes_out,
+                         ffi::ResultBuffer<ffi::F32> v_scales_out) {
+  const auto dims = grad.dimensions();
+  if (dims.size() != 2 || dims[1] % kBlock8 != 0) {
+    return ffi::Error::InvalidArgument("grad must be 2-D with a multiple of 256 columns");
+  }
+  const int64_t rows = dims[0], d = dims[1], blocks = d / kBlock8;
+  for (const auto* codes : {&m_codes, &v_codes}) {
+    if ((int64_t)codes->element_count() != rows * d) {
+      return ffi::Error::InvalidArgument("codes do not match grad");
+    }
+  }
+  for (const auto* scales : {&m_scales, &v_scales}) {
+    if ((int64_t)scales->element_count() != rows * blocks) {
+      return ffi::Error::InvalidArgument("block scales do not match grad");
+    }
+  }
+  if ((int64_t)coef.element_count() != kCoefSize) {
+    return ffi::Error::InvalidArgument("coef must hold 12 Adam coefficients");
+  }
+  if ((int64_t)tables.element_count() != kTables8Size ||
+      (int64_t)buckets.element_count() != 2 * kBucketTableSize) {
+    return ffi::Error::InvalidArgument("tables or buckets do not have the 8-bit sizes");
+  }
+  Apply8bitRowsArgs args;
+  args.h = d / 2;
+  args.g = grad.typed_data();
+  args.m_scales = m_scales.typed_data();
+  args.v_scales = v_scales.typed_data();
+  args.m_table = tables.typed_data();
+  args.m_thresholds = args.m_table + 256;
+  args.v_table = args.m_table + 512;
+  args.v_thresholds = args.m_table + 768;
+  args.m_codes = m_codes.typed_data();
+  args.v_codes = v_codes.typed_data();
+  args.m_buckets = buckets.typed_data();
+  args.v_buckets = args.m_buckets + kBucketTableSize;
+  args.c = ReadCoefficients(coef.typed_data());
+  args.nesterov = nesterov;
+  args.out = update->typed_data();
+  args.m_out = m_codes_out->typed_data();
+  args.v_out = v_codes_out->typed_data();
+  args.m_scales_out = m_scales_out->typed_data();
+  args.v_scales_out = v_scales_out->typed_data();
+  const IsaPath& isa = *CurrentIsaPath().load();
+  RowSplitter splitter(pool, rows, d);
+  std::vector<std::vector<float>> scratch(splitter.NumWorkers());
+  splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
+    scratch[worker].resize(3 * d);
+    isa.apply_8bit_rows(args, lo, hi, scratch[worker].data());
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #ifndef OPTAX4BIT_JAXLIB_VERSION
@@ -539,4 +638,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
                                   .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // v codes (in place)
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam8bitApply, Apply8bitImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // grad (rows, d)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // m codes (rows, d)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // m block scales
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // v codes (rows, d)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v block scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (12,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // tables (1024,)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // buckets
+                                  .Attr<bool>("nesterov")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // update (aliases grad)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // v codes (in place)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v block scales (in place)
 );

@@ -552,3 +552,163 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
                        a.inv_col_even, a.inv_col_odd, v_thresholds4, a.v_out + i * h);
   }
 }
+
+// 8-bit Adam (adamw_8bit): both moments block-wise, blocks of kBlock8
+// elements of a row, 256-entry maps (a code a byte), nearest rounding. A row
+// is split into its even and odd elements as above, so that the Adam step
+// helpers (Update, NesterovUpdate, RestartOverflowed) serve both kernels: a
+// block is kBlock8 / 2 elements of each half.
+
+constexpr int64_t kHalfBlock8 = kBlock8 / 2;
+#if OPTAX4BIT_ROWS_AVX2
+constexpr VI kInterleaveLow = {0, 8, 1, 9, 2, 10, 3, 11};
+constexpr VI kInterleaveHigh = {4, 12, 5, 13, 6, 14, 7, 15};
+#else
+constexpr VI kInterleaveLow = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+constexpr VI kInterleaveHigh = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#endif
+
+// table[index] by a gather where the path has one (256-entry tables do not
+// fit in registers).
+inline VF Gather(const float* table, VI index) {
+#if OPTAX4BIT_ROWS_AVX512
+  return (VF)_mm512_i32gather_ps((__m512i)index, table, 4);
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VF)_mm256_i32gather_ps(table, (__m256i)index, 4);
+#else
+  VF r;
+  for (int k = 0; k < kLanes; ++k) r[k] = table[index[k]];
+  return r;
+#endif
+}
+
+// table[index] of a byte table: 4 bytes gathered from each index and masked
+// (the table is padded by 3 bytes).
+inline VI GatherByte(const uint8_t* table, VI index) {
+#if OPTAX4BIT_ROWS_AVX512
+  return (VI)_mm512_i32gather_epi32((__m512i)index, table, 1) & 0xff;
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VI)_mm256_i32gather_epi32((const int*)table, (__m256i)index, 1) & 0xff;
+#else
+  VI r;
+  for (int k = 0; k < kLanes; ++k) r[k] = table[index[k]];
+  return r;
+#endif
+}
+
+// The codes of 2 kLanes consecutive elements, split into even and odd ones.
+inline void LoadCodes8(const uint8_t* p, VI& even, VI& odd) {
+  const VI a = LoadCodes(p), b = LoadCodes(p + kLanes);
+  even = __builtin_shuffle(a, b, kEven);
+  odd = __builtin_shuffle(a, b, kOdd);
+}
+
+inline void StoreCodes8(uint8_t* p, VI even, VI odd) {
+  StoreCodes(p, __builtin_shuffle(even, odd, kInterleaveLow));
+  StoreCodes(p + kLanes, __builtin_shuffle(even, odd, kInterleaveHigh));
+}
+
+// New moment (1 - b) x + b decode(codes) of one row, x = g or g^2 (kSquare).
+template <bool kSquare>
+void NewMoment8(int64_t h, const float* __restrict g, const uint8_t* __restrict codes,
+                const float* __restrict block_scales, const float* __restrict table, float b,
+                float one_minus_b, float* __restrict x) {
+  for (int64_t blk = 0; blk < h / kHalfBlock8; ++blk) {
+    const float s = block_scales[blk];
+    for (int64_t j = blk * kHalfBlock8; j < (blk + 1) * kHalfBlock8; j += kLanes) {
+      VI ce, co;
+      LoadCodes8(codes + 2 * j, ce, co);
+      const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
+      VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      if constexpr (kSquare) {
+        ge = ge * ge;
+        go = go * go;
+      }
+      const VF c = VF{} + one_minus_b;
+      StoreV(x + j, MulAddV(c, ge, b * (Gather(table, ce) * s)));
+      StoreV(x + h + j, MulAddV(c, go, b * (Gather(table, co) * s)));
+    }
+  }
+}
+
+// Nearest rounding to a 256-entry map: the number of its 255 sorted midpoint
+// thresholds below n (optax4bit.quant.maps.count_above), by one lookup and
+// one compare instead of a binary search. The bucket of n, a monotone
+// function of its bits in each sign (kBuckets8 per sign: |n| clamped to
+// [2**-22, 1], then its exponent and top 7 mantissa bits), holds at most one
+// threshold; `below` counts the thresholds below all of the bucket's values
+// (optax4bit.cpu.ffi._buckets checks the maps), so the count is below[bucket]
+// plus whether n is above thresholds[below[bucket]] (+inf past the last).
+struct NearestCodes256 {
+  const uint8_t* below;     // 2 kBuckets8 (positive n, then negative) and 3 bytes of padding
+  const float* thresholds;  // 255 thresholds, then +inf
+
+  VI Codes(VF n) const {
+    const VI u = (VI)n;
+    VI a = u & 0x7fffffff;
+    a = a > kBucketLowBits ? a : kBucketLowBits;
+    a = a < kBucketHighBits ? a : kBucketHighBits;
+    const VI bucket = ((a - kBucketLowBits) >> kBucketShift) + ((u < 0) & kBuckets8);
+    const VI base = GatherByte(below, bucket);
+    return base - (VI)(n > Gather(thresholds, base));
+  }
+};
+
+// Block scales (maxima of finite |x|) and codes of one row of a moment.
+void EncodeMoment8(int64_t h, const float* __restrict x, const NearestCodes256& rounding,
+                   float* __restrict block_scales, uint8_t* __restrict codes) {
+  // Blocks in groups, as in EncodeFirstMomentT: no block waits on its division.
+  constexpr int64_t kGroup = 16;
+  const int64_t blocks = h / kHalfBlock8;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
+    const int64_t n = std::min(kGroup, blocks - b0);
+    float inverse[kGroup];
+    for (int64_t b = 0; b < n; ++b) {
+      const float* xb = x + (b0 + b) * kHalfBlock8;
+      VU s = {};
+      for (int64_t j = 0; j < kHalfBlock8; j += kLanes) {
+        s = MaxV(s, MaxV(FiniteAbsBits(LoadV(xb + j)), FiniteAbsBits(LoadV(xb + h + j))));
+      }
+      block_scales[b0 + b] = FromBits(HorizontalMax(s));
+    }
+    for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
+    for (int64_t b = 0; b < n; ++b) {
+      for (int64_t j = (b0 + b) * kHalfBlock8; j < (b0 + b + 1) * kHalfBlock8; j += kLanes) {
+        VF xe = (LoadV(x + j) * inverse[b]) * 0.25f;
+        VF xo = (LoadV(x + h + j) * inverse[b]) * 0.25f;
+        xe = xe == xe ? xe : 0.0f;
+        xo = xo == xo ? xo : 0.0f;
+        StoreCodes8(codes + 2 * j, rounding.Codes(xe), rounding.Codes(xo));
+      }
+    }
+  }
+}
+
+// Rows [lo, hi) of Adam8bitApply; scratch: 3d floats.
+void Apply8bitRows(const Apply8bitRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
+  const int64_t h = a.h, d = 2 * h, blocks = d / kBlock8;
+  const Coefficients& c = a.c;
+  const NearestCodes256 m_rounding{a.m_buckets, a.m_thresholds};
+  const NearestCodes256 v_rounding{a.v_buckets, a.v_thresholds};
+  float* m = scratch;
+  float* v = m + d;
+  float* work = v + d;
+  for (int64_t i = lo; i < hi; ++i) {
+    // The update overwrites the gradient row (aliased): read it first.
+    const float* g_row = a.g + i * d;
+    float* out = a.out + i * d;
+    NewMoment8<false>(h, g_row, a.m_codes + i * d, a.m_scales + i * blocks, a.m_table, c.b1,
+                      c.one_minus_b1, m);
+    NewMoment8<true>(h, g_row, a.v_codes + i * d, a.v_scales + i * blocks, a.v_table, c.b2,
+                     c.one_minus_b2, v);
+    if (a.nesterov) {
+      std::memcpy(work, g_row, d * sizeof(float));
+      NesterovUpdate(h, work, m, v, c, out);
+    } else {
+      Update(h, m, v, c, out);
+    }
+    RestartOverflowed(d, v, m);
+    EncodeMoment8(h, m, m_rounding, a.m_scales_out + i * blocks, a.m_out + i * d);
+    EncodeMoment8(h, v, v_rounding, a.v_scales_out + i * blocks, a.v_out + i * d);
+  }
+}

@@ -65,6 +65,18 @@ _FIRST_MOMENTS = tuple(QuantSpec("block", mapping, 4, signed=True, block_size=12
                        for mapping in ("DE", "NF") for stochastic in (False, True))
 _SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False)
                         for mapping in ("Linear", "SqrtDE-0"))
+_APPLY_8BIT_TARGET = "optax4bit_adam_8bit_apply"
+# The 8-bit quantizers (`optax4bit.adamw_8bit`'s, and its second moment without zero).
+_FIRST_MOMENTS_8BIT = (QuantSpec("block", "DE", 8, signed=True, block_size=256),)
+_SECOND_MOMENTS_8BIT = tuple(QuantSpec("block", mapping, 8, signed=False, block_size=256)
+                             for mapping in ("DE", "DE-0"))
+# The buckets of the 8-bit kernel's nearest rounding (NearestCodes256 in
+# adam_4bit_rows.h, same constants): |n| clamped to [2**-22, 1], its exponent
+# and top 7 mantissa bits.
+_BUCKET_LOW_BITS = (127 - 22) << 23
+_BUCKET_HIGH_BITS = 127 << 23
+_BUCKET_SHIFT = 23 - 7
+_BUCKETS = ((_BUCKET_HIGH_BITS - _BUCKET_LOW_BITS) >> _BUCKET_SHIFT) + 1
 
 
 @functools.cache
@@ -75,6 +87,43 @@ def _tables(first_mapping: str, second_mapping: str) -> np.ndarray:
                          maps.midpoint_thresholds(first_mapping, 4, True),
                          maps.qmap(second_mapping, 4, False),
                          maps.midpoint_thresholds(second_mapping, 4, False)]).astype(np.float32)
+
+
+@functools.cache
+def _tables_8bit(first_mapping: str, second_mapping: str) -> np.ndarray:
+  """The 8-bit kernel's ``tables`` input: each moment's 256 entries, its 255
+  midpoint thresholds and +inf; first moment, then second."""
+  parts = []
+  for mapping, signed in ((first_mapping, True), (second_mapping, False)):
+    parts += [maps.qmap(mapping, 8, signed), maps.midpoint_thresholds(mapping, 8, signed),
+              [np.inf]]
+  return np.concatenate(parts).astype(np.float32)
+
+
+def _moment_buckets(mapping: str, signed: bool) -> np.ndarray:
+  """Per bucket of n (positive n, then negative), the number of thresholds
+  below all of its values, and 3 bytes of padding (the kernel gathers 4)."""
+  thresholds = maps.midpoint_thresholds(mapping, 8, signed)
+  b = np.arange(_BUCKETS, dtype=np.int64)
+  # The bucket's |n| range: the clamp takes in 0 and +inf at the ends.
+  low = np.where(b == 0, 0, _BUCKET_LOW_BITS + (b << _BUCKET_SHIFT))
+  high = np.where(b == _BUCKETS - 1, 0x7F800000, _BUCKET_LOW_BITS + ((b + 1) << _BUCKET_SHIFT) - 1)
+  low, high = (x.astype(np.uint32).view(np.float32) for x in (low, high))
+  below = lambda x: np.searchsorted(thresholds, x, side="left")  # thresholds < x
+  # n in [low, high] (negative: [-high, -low]) is above the thresholds below
+  # low (-high); one compare settles those in [low, high) ([-high, -low)).
+  counts = np.concatenate([below(low), below(-high)])
+  undecided = np.concatenate([below(high) - below(low), below(-low) - below(-high)])
+  if undecided.max() > 1:
+    raise ValueError(f"a bucket of n holds more than one threshold of 8-bit {mapping}")
+  return np.concatenate([counts, np.zeros(3)]).astype(np.uint8)
+
+
+@functools.cache
+def _buckets(first_mapping: str, second_mapping: str) -> np.ndarray:
+  """The 8-bit kernel's ``buckets`` input: first moment, then second."""
+  return np.concatenate([_moment_buckets(first_mapping, True),
+                         _moment_buckets(second_mapping, False)])
 
 
 def _library_path() -> Optional[str]:
@@ -141,6 +190,8 @@ def _load_library() -> Optional[str]:
       _STATS_TARGET, jax.ffi.pycapsule(library.Optax4bitAdam4bitStats), platform="cpu")
   jax.ffi.register_ffi_target(
       _APPLY_TARGET, jax.ffi.pycapsule(library.Optax4bitAdam4bitApply), platform="cpu")
+  jax.ffi.register_ffi_target(
+      _APPLY_8BIT_TARGET, jax.ffi.pycapsule(library.Optax4bitAdam8bitApply), platform="cpu")
   return None
 
 
@@ -203,17 +254,28 @@ def unavailable_reason() -> Optional[str]:
 
 
 def covers(grad, moments) -> bool:
-  """Whether the kernel computes this leaf: a 2-D leaf with at least one row,
-  a last axis that is a multiple of 128 and moments quantized with 4 bits
-  as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic rounding) and
-  ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest rounding)."""
+  """Whether the kernel computes this leaf: a 2-D floating-point leaf with at
+  least one row and moments quantized
+
+  * with 4 bits as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic
+    rounding) and ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest
+    rounding), the last axis a multiple of 128; or
+  * with 8 bits as ``B256/DE`` (signed) and ``B256/DE`` or ``B256/DE-0``
+    (unsigned), nearest rounding (`optax4bit.adamw_8bit`), the last axis a
+    multiple of 256 (blocks within rows)."""
   if len(moments) != 2 or not all(isinstance(m, QuantizedArray) for m in moments):
     return False
   m, v = moments
   shape = tuple(grad.shape)
-  return (m.spec in _FIRST_MOMENTS and v.spec in _SECOND_MOMENTS and len(shape) == 2
-          and shape[0] > 0 and shape[1] % 128 == 0
-          and jnp.issubdtype(grad.dtype, jnp.floating))
+  if not (len(shape) == 2 and shape[0] > 0 and jnp.issubdtype(grad.dtype, jnp.floating)):
+    return False
+  if m.spec in _FIRST_MOMENTS_8BIT and v.spec in _SECOND_MOMENTS_8BIT:
+    return shape[1] % 256 == 0
+  return m.spec in _FIRST_MOMENTS and v.spec in _SECOND_MOMENTS and shape[1] % 128 == 0
+
+
+def _is_8bit(moments) -> bool:
+  return moments[0].spec.bits == 8
 
 
 def _coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
@@ -295,6 +357,32 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
   return update.astype(grad.dtype), (new_m, new_v)
 
 
+def _apply_8bit_call(grad, m: QuantizedArray, v: QuantizedArray, coef, nesterov: bool):
+  (m_scales,), (v_scales,) = m.scales, v.scales
+  out_types = (jax.ShapeDtypeStruct(grad.shape, jnp.float32),
+               jax.ShapeDtypeStruct(m.codes.shape, jnp.uint8),
+               jax.ShapeDtypeStruct(m_scales.shape, jnp.float32),
+               jax.ShapeDtypeStruct(v.codes.shape, jnp.uint8),
+               jax.ShapeDtypeStruct(v_scales.shape, jnp.float32))
+  mappings = (m.spec.mapping, v.spec.mapping)
+  return jax.ffi.ffi_call(
+      _APPLY_8BIT_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4},
+      vmap_method="sequential")(grad, m.codes, m_scales, v.codes, v_scales, coef,
+                                jnp.asarray(_tables_8bit(*mappings)),
+                                jnp.asarray(_buckets(*mappings)), nesterov=np.bool_(nesterov))
+
+
+def adam_8bit_leaf(grad, moments, coef, nesterov: bool):
+  """One Adam step of an 8-bit leaf `covers` accepts, in one call (block
+  scales need no statistics of the whole leaf); returns ``(update, (m, v))``."""
+  m, v = moments
+  update, m_codes, m_scales, v_codes, v_scales = _apply_8bit_call(
+      grad.astype(jnp.float32), m, v, coef, nesterov)
+  new_m = QuantizedArray(m_codes, (m_scales,), m.spec, m.shape, m.dtype)
+  new_v = QuantizedArray(v_codes, (v_scales,), v.spec, v.shape, v.dtype)
+  return update.astype(grad.dtype), (new_m, new_v)
+
+
 class CpuSteps:
   """The fused steps of `optax4bit.dispatch.fused_steps` on XLA's CPU
   backend: Adam only; every method returns ``(update, new_moments)`` or None
@@ -311,6 +399,8 @@ class CpuSteps:
 
     def local(g, local_moments, side, local_keys, reduce_scales, consts):
       del side
+      if _is_8bit(local_moments):
+        return adam_8bit_leaf(g, local_moments, consts[0], nesterov)
       return adam_leaf(g, local_moments, consts[0], nesterov, reduce_scales, local_keys)
 
     return _sharding.run_fused(
