@@ -134,23 +134,22 @@ struct ApplyRowsArgs {
 
 // 8-bit Adam (Adam8bitApply): blocks of 256 elements of a row, and the
 // buckets of NearestCodes256 (adam_4bit_rows.h; optax4bit.cpu.ffi._buckets
-// builds their tables with the same constants): |n| clamped to [2**-22, 1],
-// 128 buckets per octave.
+// builds their tables with the same constants): |n| clamped to [2**-23, 1],
+// 128 buckets per octave, for each sign.
 constexpr int64_t kBlock8 = 256;
-constexpr int32_t kBucketLowBits = (127 - 22) << 23;
+constexpr int32_t kBucketLowBits = (127 - 23) << 23;
 constexpr int32_t kBucketHighBits = 127 << 23;
 constexpr int kBucketShift = 23 - 7;
 constexpr int32_t kBuckets8 = ((kBucketHighBits - kBucketLowBits) >> kBucketShift) + 1;
-// Per moment: 2 kBuckets8 counts (positive n, then negative), 3 bytes of padding.
-constexpr int64_t kBucketTableSize = 2 * kBuckets8 + 3;
-// Per moment: 256 entries, 255 midpoint thresholds and +inf.
-constexpr int64_t kTables8Size = 4 * 256;
+constexpr int64_t kBucketTableSize = 2 * kBuckets8;  // per moment
+constexpr int64_t kTables8Size = 2 * 256;  // per moment's map: 256 entries
 
 // What the rows of Adam8bitApply read and write; see Apply8bitImpl.
 struct Apply8bitRowsArgs {
   int64_t h;  // half the row length
-  const float *g, *m_scales, *v_scales, *m_table, *v_table, *m_thresholds, *v_thresholds;
-  const uint8_t *m_codes, *v_codes, *m_buckets, *v_buckets;
+  const float *g, *m_scales, *v_scales, *m_table, *v_table;
+  const uint8_t *m_codes, *v_codes;
+  const int32_t *m_buckets, *v_buckets;
   Coefficients c;
   bool nesterov;
   float* out;
@@ -500,14 +499,13 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 // per row, decode both moments (256-entry tables), run the float32 Adam step,
 // write the update over the gradient and re-encode both moments in place,
 // block by block (each block's scale is the maximum of its new values; no
-// statistics of the whole leaf are needed). tables: each moment's entries,
-// thresholds and +inf (kTables8Size floats); buckets: each moment's
-// kBucketTableSize counts.
+// statistics of the whole leaf are needed). tables: each moment's 256
+// entries; buckets: each moment's kBucketTableSize bucket entries.
 ffi::Error Apply8bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                          ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
                          ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_scales,
                          ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::F32> tables,
-                         ffi::Buffer<ffi::U8> buckets, bool nesterov,
+                         ffi::Buffer<ffi::S32> buckets, bool nesterov,
                          ffi::ResultBuffer<ffi::F32> update,
                          ffi::ResultBuffer<ffi::U8> m_codes_out,
                          ffi::ResultBuffer<ffi::F32> m_scales_out,
@@ -541,9 +539,7 @@ ffi::Error Apply8bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.m_scales = m_scales.typed_data();
   args.v_scales = v_scales.typed_data();
   args.m_table = tables.typed_data();
-  args.m_thresholds = args.m_table + 256;
-  args.v_table = args.m_table + 512;
-  args.v_thresholds = args.m_table + 768;
+  args.v_table = args.m_table + 256;
   args.m_codes = m_codes.typed_data();
   args.v_codes = v_codes.typed_data();
   args.m_buckets = buckets.typed_data();
@@ -649,8 +645,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam8bitApply, Apply8bitImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // v codes (rows, d)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v block scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // coefficients (12,)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // tables (1024,)
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // buckets
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // tables (512,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // buckets
                                   .Attr<bool>("nesterov")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // update (aliases grad)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)

@@ -560,13 +560,6 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
 // block is kBlock8 / 2 elements of each half.
 
 constexpr int64_t kHalfBlock8 = kBlock8 / 2;
-#if OPTAX4BIT_ROWS_AVX2
-constexpr VI kInterleaveLow = {0, 8, 1, 9, 2, 10, 3, 11};
-constexpr VI kInterleaveHigh = {4, 12, 5, 13, 6, 14, 7, 15};
-#else
-constexpr VI kInterleaveLow = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-constexpr VI kInterleaveHigh = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-#endif
 
 // table[index] by a gather where the path has one (256-entry tables do not
 // fit in registers).
@@ -582,13 +575,11 @@ inline VF Gather(const float* table, VI index) {
 #endif
 }
 
-// table[index] of a byte table: 4 bytes gathered from each index and masked
-// (the table is padded by 3 bytes).
-inline VI GatherByte(const uint8_t* table, VI index) {
+inline VI Gather(const int32_t* table, VI index) {
 #if OPTAX4BIT_ROWS_AVX512
-  return (VI)_mm512_i32gather_epi32((__m512i)index, table, 1) & 0xff;
+  return (VI)_mm512_i32gather_epi32((__m512i)index, table, 4);
 #elif OPTAX4BIT_ROWS_AVX2
-  return (VI)_mm256_i32gather_epi32((const int*)table, (__m256i)index, 1) & 0xff;
+  return (VI)_mm256_i32gather_epi32(table, (__m256i)index, 4);
 #else
   VI r;
   for (int k = 0; k < kLanes; ++k) r[k] = table[index[k]];
@@ -603,9 +594,21 @@ inline void LoadCodes8(const uint8_t* p, VI& even, VI& odd) {
   odd = __builtin_shuffle(a, b, kOdd);
 }
 
+// Codes interleaved as 16-bit words even | odd << 8 (GCC turns a shuffle or
+// a narrowing conversion of the ints into scalar code on some paths).
 inline void StoreCodes8(uint8_t* p, VI even, VI odd) {
-  StoreCodes(p, __builtin_shuffle(even, odd, kInterleaveLow));
-  StoreCodes(p + kLanes, __builtin_shuffle(even, odd, kInterleaveHigh));
+  const VI words = even | (odd << 8);
+#if OPTAX4BIT_ROWS_AVX512
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)words));
+#elif OPTAX4BIT_ROWS_AVX2
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128((__m256i)words),
+                                                 _mm256_extracti128_si256((__m256i)words, 1)));
+#else
+  for (int k = 0; k < kLanes; ++k) {
+    p[2 * k] = (uint8_t)words[k];
+    p[2 * k + 1] = (uint8_t)(words[k] >> 8);
+  }
+#endif
 }
 
 // New moment (1 - b) x + b decode(codes) of one row, x = g or g^2 (kSquare).
@@ -632,25 +635,28 @@ void NewMoment8(int64_t h, const float* __restrict g, const uint8_t* __restrict 
 }
 
 // Nearest rounding to a 256-entry map: the number of its 255 sorted midpoint
-// thresholds below n (optax4bit.quant.maps.count_above), by one lookup and
-// one compare instead of a binary search. The bucket of n, a monotone
-// function of its bits in each sign (kBuckets8 per sign: |n| clamped to
-// [2**-22, 1], then its exponent and top 7 mantissa bits), holds at most one
-// threshold; `below` counts the thresholds below all of the bucket's values
-// (optax4bit.cpu.ffi._buckets checks the maps), so the count is below[bucket]
-// plus whether n is above thresholds[below[bucket]] (+inf past the last).
+// thresholds below n (optax4bit.quant.maps.count_above), by one table lookup
+// instead of a binary search. n's bucket (kBuckets8 per sign: |n| clamped to
+// [2**-23, 1], then its exponent and top 7 mantissa bits) holds at most one
+// threshold, which shares those bits with n, and none where the clamp took n
+// in (optax4bit.cpu.ffi._buckets checks the maps). A bucket's entry is
+// (count of the thresholds below all its values) << 16 | key of its threshold,
+// the key the low 16 bits of |t| (0xffff minus them for negative n, whose
+// order they reverse; 0xffff where the bucket holds none): n is above the
+// threshold exactly when its key is above the threshold's.
 struct NearestCodes256 {
-  const uint8_t* below;     // 2 kBuckets8 (positive n, then negative) and 3 bytes of padding
-  const float* thresholds;  // 255 thresholds, then +inf
+  const int32_t* buckets;  // 2 kBuckets8: positive n, then negative
 
   VI Codes(VF n) const {
     const VI u = (VI)n;
     VI a = u & 0x7fffffff;
     a = a > kBucketLowBits ? a : kBucketLowBits;
     a = a < kBucketHighBits ? a : kBucketHighBits;
-    const VI bucket = ((a - kBucketLowBits) >> kBucketShift) + ((u < 0) & kBuckets8);
-    const VI base = GatherByte(below, bucket);
-    return base - (VI)(n > Gather(thresholds, base));
+    const VI negative = u < 0;
+    const VI entry = Gather(buckets, ((a - kBucketLowBits) >> kBucketShift) +
+                                         (negative & kBuckets8));
+    const VI key = (u & 0xffff) ^ (negative & 0xffff);
+    return (entry >> 16) - (key > (entry & 0xffff));
   }
 };
 
@@ -688,8 +694,8 @@ void EncodeMoment8(int64_t h, const float* __restrict x, const NearestCodes256& 
 void Apply8bitRows(const Apply8bitRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
   const int64_t h = a.h, d = 2 * h, blocks = d / kBlock8;
   const Coefficients& c = a.c;
-  const NearestCodes256 m_rounding{a.m_buckets, a.m_thresholds};
-  const NearestCodes256 v_rounding{a.v_buckets, a.v_thresholds};
+  const NearestCodes256 m_rounding{a.m_buckets};
+  const NearestCodes256 v_rounding{a.v_buckets};
   float* m = scratch;
   float* v = m + d;
   float* work = v + d;

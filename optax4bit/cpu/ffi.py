@@ -71,9 +71,9 @@ _FIRST_MOMENTS_8BIT = (QuantSpec("block", "DE", 8, signed=True, block_size=256),
 _SECOND_MOMENTS_8BIT = tuple(QuantSpec("block", mapping, 8, signed=False, block_size=256)
                              for mapping in ("DE", "DE-0"))
 # The buckets of the 8-bit kernel's nearest rounding (NearestCodes256 in
-# adam_4bit_rows.h, same constants): |n| clamped to [2**-22, 1], its exponent
+# adam_4bit_rows.h, same constants): |n| clamped to [2**-23, 1], its exponent
 # and top 7 mantissa bits.
-_BUCKET_LOW_BITS = (127 - 22) << 23
+_BUCKET_LOW_BITS = (127 - 23) << 23
 _BUCKET_HIGH_BITS = 127 << 23
 _BUCKET_SHIFT = 23 - 7
 _BUCKETS = ((_BUCKET_HIGH_BITS - _BUCKET_LOW_BITS) >> _BUCKET_SHIFT) + 1
@@ -91,32 +91,36 @@ def _tables(first_mapping: str, second_mapping: str) -> np.ndarray:
 
 @functools.cache
 def _tables_8bit(first_mapping: str, second_mapping: str) -> np.ndarray:
-  """The 8-bit kernel's ``tables`` input: each moment's 256 entries, its 255
-  midpoint thresholds and +inf; first moment, then second."""
-  parts = []
-  for mapping, signed in ((first_mapping, True), (second_mapping, False)):
-    parts += [maps.qmap(mapping, 8, signed), maps.midpoint_thresholds(mapping, 8, signed),
-              [np.inf]]
-  return np.concatenate(parts).astype(np.float32)
+  """The 8-bit kernel's ``tables`` input: each moment's 256 entries."""
+  return np.concatenate([maps.qmap(first_mapping, 8, True),
+                         maps.qmap(second_mapping, 8, False)]).astype(np.float32)
 
 
 def _moment_buckets(mapping: str, signed: bool) -> np.ndarray:
-  """Per bucket of n (positive n, then negative), the number of thresholds
-  below all of its values, and 3 bytes of padding (the kernel gathers 4)."""
+  """The entries of NearestCodes256 (adam_4bit_rows.h) for one map: per
+  bucket of n (positive n, then negative), ``count << 16 | key``: the count
+  of thresholds below all of the bucket's values and the key of the one
+  threshold the bucket holds (0xffff if none)."""
   thresholds = maps.midpoint_thresholds(mapping, 8, signed)
   b = np.arange(_BUCKETS, dtype=np.int64)
-  # The bucket's |n| range: the clamp takes in 0 and +inf at the ends.
+  # The bucket's |n| range, 0 and +inf taken in by the clamp at the ends.
   low = np.where(b == 0, 0, _BUCKET_LOW_BITS + (b << _BUCKET_SHIFT))
-  high = np.where(b == _BUCKETS - 1, 0x7F800000, _BUCKET_LOW_BITS + ((b + 1) << _BUCKET_SHIFT) - 1)
+  high = np.where(b == _BUCKETS - 1, 0x7F800000,
+                  _BUCKET_LOW_BITS + ((b + 1) << _BUCKET_SHIFT) - 1)
   low, high = (x.astype(np.uint32).view(np.float32) for x in (low, high))
   below = lambda x: np.searchsorted(thresholds, x, side="left")  # thresholds < x
+  entries = []
   # n in [low, high] (negative: [-high, -low]) is above the thresholds below
-  # low (-high); one compare settles those in [low, high) ([-high, -low)).
-  counts = np.concatenate([below(low), below(-high)])
-  undecided = np.concatenate([below(high) - below(low), below(-low) - below(-high)])
-  if undecided.max() > 1:
-    raise ValueError(f"a bucket of n holds more than one threshold of 8-bit {mapping}")
-  return np.concatenate([counts, np.zeros(3)]).astype(np.uint8)
+  # low (-high); the bucket holds those in [low, high) ([-high, -low)).
+  for first, end, flip in ((below(low), below(high), 0), (below(-high), below(-low), 0xFFFF)):
+    held = end - first
+    ends = (b == 0) | (b == _BUCKETS - 1)  # n's low bits say nothing there
+    if held.max() > 1 or held[ends].any():
+      raise ValueError(f"8-bit {mapping}: a bucket of n holds more than one threshold")
+    bits = thresholds[np.minimum(first, thresholds.size - 1)].view(np.uint32).astype(np.int64)
+    key = np.where(held == 1, (bits & 0xFFFF) ^ flip, 0xFFFF)
+    entries.append(first << 16 | key)
+  return np.concatenate(entries).astype(np.int32)
 
 
 @functools.cache
