@@ -6,8 +6,8 @@ Every optimizer of the library takes ``implementation=``:
 * ``"auto"`` (default): the Pallas kernels on a CUDA GPU backend
   (``jax.default_backend() == "gpu"``, not ROCm); on the CPU backend the
   compiled C++ kernel of `optax4bit.cpu` where it is installed and faster than
-  the jnp path (its AVX-512 and AVX2 builds; 4-bit AdamW only, everything else runs the
-  jnp reference); the jnp reference elsewhere.
+  the jnp path (its AVX-512 and AVX2 builds; 4-bit AdamW and `adamw_8bit` only,
+  everything else runs the jnp reference); the jnp reference elsewhere.
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
 * ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
   construction if it is not installed.

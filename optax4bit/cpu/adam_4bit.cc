@@ -16,6 +16,8 @@
 //   2. Adam4bitApply: per row, decode both moments, run the float32 Adam step,
 //      write the update over the gradient and re-encode both moments in place.
 // No float32 moment is stored: a row's moments live in per-thread scratch.
+// 8-bit Adam (optax4bit.adamw_8bit: both moments B256/DE, 8 bits, nearest)
+// is one call, Adam8bitApply: its block scales need no statistics pass.
 // The row kernels are compiled once per ISA path (on x86-64 with GCC: AVX-512,
 // AVX2 and baseline x86-64; elsewhere the compiler's baseline). Calls run the
 // best path this CPU runs unless Optax4bitUseCpuIsa picks another.

@@ -1,7 +1,7 @@
-"""The fused XLA CPU kernel of 4-bit Adam, called through ``jax.ffi``.
+"""The fused XLA CPU kernel of 4-bit and 8-bit Adam, called through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers two FFI targets for XLA's CPU backend. Its row kernels
+extension) registers three FFI targets for XLA's CPU backend. Its row kernels
 (``adam_4bit_rows.h``) are compiled per ISA path (`isas`); calls run the best
 one this CPU runs (`isa`) unless ``OPTAX4BIT_CPU_ISA`` names another. It
 covers a 2-D leaf whose last axis is a multiple of 128, with both recipes of
@@ -22,6 +22,13 @@ inputs of the calls. One update is two calls:
    write the update over the (float32) gradient and re-encode both moments in
    place (``input_output_aliases``), split over as many threads as XLA's
    intra-op pool has.
+
+It also covers `optax4bit.adamw_8bit`: both moments ``B256/DE`` with 8 bits
+(the second also ``B256/DE-0``), nearest rounding, on a 2-D leaf whose last
+axis is a multiple of 256. Block scales need no statistics of the whole leaf:
+one call (``apply_8bit``) per leaf. Its nearest rounding looks each code up
+in a table of buckets of the normalized value (`_buckets`) instead of the
+jnp path's binary search over 255 thresholds; the codes are the same.
 
 It computes what the jnp reference computes, in the form XLA's CPU backend
 compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
