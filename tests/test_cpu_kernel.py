@@ -432,6 +432,20 @@ def test_kernel_8bit_bitwise_bf16():
       states[name] = s_cpu
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", ISAS)
+def test_auto_runs_the_8bit_kernel_only_where_it_is_faster(name):
+  """As for 4 bits: "auto" runs the 8-bit kernel on the AVX-512 and AVX2
+  paths, not on the baseline path (slower than the jnp path)."""
+  if name not in optax4bit.cpu.isas():
+    pytest.skip(f"this CPU does not run the {name} path")
+  params = {"w": jnp.ones((128, 256))}
+  tx = optax4bit.adamw_8bit(1e-3, min_quantize_size=0)
+  with isa_path(name):
+    hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  assert ("optax4bit_adam_8bit_apply" in hlo) == (name != "baseline")
+
+
 def _near_thresholds(mapping: str, signed: bool) -> np.ndarray:
   """An 8-bit map's thresholds, their float32 neighbours and its entries."""
   t = optax4bit.quant.maps.midpoint_thresholds(mapping, 8, signed)
@@ -456,7 +470,8 @@ def test_kernel_8bit_codes_at_every_threshold(second):
   g = np.insert(row.reshape(-1, 255), 0, 1.0, axis=1).reshape(2, -1)  # a 1 leads each block
   g = jnp.asarray(g, jnp.float32)
   moments = [optax4bit.quant.array.zeros(g.shape, jnp.float32, spec) for spec in (first, v_spec)]
-  coef = cpu_ffi._coefficients(0.0, 0.0, 1e-8, 0.0, jnp.int32(1))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  coef = cpu_ffi._coefficients(0.0, 0.0, 1e-8, 0.0, jnp.int32(1))
   for name in _runnable_isas():
     with isa_path(name):
       _, (m, v) = jax.block_until_ready(cpu_ffi.adam_8bit_leaf(g, moments, coef, False))

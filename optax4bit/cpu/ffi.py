@@ -116,14 +116,15 @@ def _moment_buckets(mapping: str, signed: bool) -> np.ndarray:
                   _BUCKET_LOW_BITS + ((b + 1) << _BUCKET_SHIFT) - 1)
   low, high = (x.astype(np.uint32).view(np.float32) for x in (low, high))
   below = lambda x: np.searchsorted(thresholds, x, side="left")  # thresholds < x
+  ends = (b == 0) | (b == _BUCKETS - 1)  # n's low bits say nothing there
   entries = []
   # n in [low, high] (negative: [-high, -low]) is above the thresholds below
   # low (-high); the bucket holds those in [low, high) ([-high, -low)).
   for first, end, flip in ((below(low), below(high), 0), (below(-high), below(-low), 0xFFFF)):
     held = end - first
-    ends = (b == 0) | (b == _BUCKETS - 1)  # n's low bits say nothing there
     if held.max() > 1 or held[ends].any():
-      raise ValueError(f"8-bit {mapping}: a bucket of n holds more than one threshold")
+      raise ValueError(f"8-bit {mapping}: a bucket of n holds more than one threshold, "
+                       "or one where the clamp takes n in")
     bits = thresholds[np.minimum(first, thresholds.size - 1)].view(np.uint32).astype(np.int64)
     key = np.where(held == 1, (bits & 0xFFFF) ^ flip, 0xFFFF)
     entries.append(first << 16 | key)
