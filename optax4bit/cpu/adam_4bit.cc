@@ -144,7 +144,7 @@ constexpr int32_t kBucketHighBits = 127 << 23;
 constexpr int kBucketShift = 23 - 7;
 constexpr int32_t kBuckets8 = ((kBucketHighBits - kBucketLowBits) >> kBucketShift) + 1;
 constexpr int64_t kBucketTableSize = 2 * kBuckets8;  // per moment
-constexpr int64_t kTables8Size = 2 * 256;  // per moment's map: 256 entries
+constexpr int64_t kTables8Size = 2 * 256;  // the 256 entries of each moment's map
 
 // What the rows of Adam8bitApply read and write; see Apply8bitImpl.
 struct Apply8bitRowsArgs {
