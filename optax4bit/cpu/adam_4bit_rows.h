@@ -612,11 +612,51 @@ inline void StoreCodes8(uint8_t* p, VI even, VI odd) {
 #endif
 }
 
+// The entries of a 256-entry map for codes, by gathers.
+struct GatheredTable {
+  const float* table;
+
+  explicit GatheredTable(const float* t) : table(t) {}
+  VF operator()(VI code) const { return Gather(table, code); }
+};
+
+#if OPTAX4BIT_ROWS_AVX512
+// The entries of a signed map odd about its zero (entry 127 - k = -entry
+// 127 + k for k in [1, 127], entry 127 = +0; Apply8bitImpl checks), by
+// permutes of entries 128 to 255 held in registers: three times as fast as a
+// gather on Zen 4.
+struct OddTable {
+  __m512 part[8];
+
+  explicit OddTable(const float* table) {
+    for (int k = 0; k < 8; ++k) part[k] = _mm512_loadu_ps(table + 128 + 16 * k);
+  }
+  VF operator()(VI code) const {
+    const __m512i s = (__m512i)(code - 128), sign = _mm512_srai_epi32(s, 31);
+    // s >= 0: entry 128 + s; s <= -2: -(entry 128 + (-s - 2)); s = -1: 0.
+    const __m512i q = _mm512_add_epi32(_mm512_xor_si512(s, sign), sign);
+    const __mmask16 bit5 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(32));
+    const __mmask16 bit6 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(64));
+    const __m512 low = _mm512_mask_blend_ps(bit5, _mm512_permutex2var_ps(part[0], q, part[1]),
+                                            _mm512_permutex2var_ps(part[2], q, part[3]));
+    const __m512 high = _mm512_mask_blend_ps(bit5, _mm512_permutex2var_ps(part[4], q, part[5]),
+                                             _mm512_permutex2var_ps(part[6], q, part[7]));
+    const __m512i entry = _mm512_castps_si512(_mm512_mask_blend_ps(bit6, low, high));
+    const __m512i value = _mm512_xor_si512(entry, _mm512_slli_epi32(sign, 31));
+    return (VF)_mm512_maskz_mov_epi32(_mm512_cmpneq_epi32_mask(s, _mm512_set1_epi32(-1)), value);
+  }
+};
+using FirstMomentTable = OddTable;
+#else
+using FirstMomentTable = GatheredTable;
+#endif
+
 // New moment (1 - b) x + b decode(codes) of one row, x = g or g^2 (kSquare).
-template <bool kSquare>
+template <bool kSquare, typename Table256>
 void NewMoment8(int64_t h, const float* __restrict g, const uint8_t* __restrict codes,
-                const float* __restrict block_scales, const float* __restrict table, float b,
+                const float* __restrict block_scales, const float* __restrict entries, float b,
                 float one_minus_b, float* __restrict x) {
+  const Table256 table(entries);
   for (int64_t blk = 0; blk < h / kHalfBlock8; ++blk) {
     const float s = block_scales[blk];
     for (int64_t j = blk * kHalfBlock8; j < (blk + 1) * kHalfBlock8; j += kLanes) {
@@ -629,8 +669,8 @@ void NewMoment8(int64_t h, const float* __restrict g, const uint8_t* __restrict 
         go = go * go;
       }
       const VF c = VF{} + one_minus_b;
-      StoreV(x + j, MulAddV(c, ge, b * (Gather(table, ce) * s)));
-      StoreV(x + h + j, MulAddV(c, go, b * (Gather(table, co) * s)));
+      StoreV(x + j, MulAddV(c, ge, b * (table(ce) * s)));
+      StoreV(x + h + j, MulAddV(c, go, b * (table(co) * s)));
     }
   }
 }
@@ -704,10 +744,10 @@ void Apply8bitRows(const Apply8bitRowsArgs& a, int64_t lo, int64_t hi, float* sc
     // The update overwrites the gradient row (aliased): read it first.
     const float* g_row = a.g + i * d;
     float* out = a.out + i * d;
-    NewMoment8<false>(h, g_row, a.m_codes + i * d, a.m_scales + i * blocks, a.m_table, c.b1,
-                      c.one_minus_b1, m);
-    NewMoment8<true>(h, g_row, a.v_codes + i * d, a.v_scales + i * blocks, a.v_table, c.b2,
-                     c.one_minus_b2, v);
+    NewMoment8<false, FirstMomentTable>(h, g_row, a.m_codes + i * d, a.m_scales + i * blocks,
+                                        a.m_table, c.b1, c.one_minus_b1, m);
+    NewMoment8<true, GatheredTable>(h, g_row, a.v_codes + i * d, a.v_scales + i * blocks,
+                                    a.v_table, c.b2, c.one_minus_b2, v);
     if (a.nesterov) {
       std::memcpy(work, g_row, d * sizeof(float));
       NesterovUpdate(h, work, m, v, c, out);
