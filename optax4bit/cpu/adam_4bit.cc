@@ -535,13 +535,6 @@ ffi::Error Apply8bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
       (int64_t)buckets.element_count() != 2 * kBucketTableSize) {
     return ffi::Error::InvalidArgument("tables or buckets do not have the 8-bit sizes");
   }
-  // The first moment's map is odd about its zero, bit for bit (see OddTable).
-  const uint32_t* m_bits = (const uint32_t*)tables.typed_data();
-  bool odd = m_bits[127] == 0;
-  for (int k = 1; k < 128; ++k) odd &= (m_bits[127 + k] ^ 0x80000000u) == m_bits[127 - k];
-  if (!odd) {
-    return ffi::Error::InvalidArgument("the first moment's map must be odd about entry 127");
-  }
   Apply8bitRowsArgs args;
   args.h = d / 2;
   args.g = grad.typed_data();
