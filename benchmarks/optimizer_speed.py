@@ -81,6 +81,8 @@ OPTIMIZERS = {
     "adamw_4bit_factor (jnp)": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="jnp"),
     "adamw_4bit_factor (cpu)": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="cpu"),
     "adamw_8bit": lambda: optax4bit.adamw_8bit(1e-3),
+    "adamw_8bit (jnp)": lambda: optax4bit.adamw_8bit(1e-3, implementation="jnp"),
+    "adamw_8bit (cpu)": lambda: optax4bit.adamw_8bit(1e-3, implementation="cpu"),
     "optax.sgd": lambda: optax.sgd(1e-3),
     "optax.sgd(momentum)": lambda: optax.sgd(1e-3, 0.9),
     "sgdm_4bit": lambda: optax4bit.sgdm_4bit(1e-3),

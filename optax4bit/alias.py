@@ -309,8 +309,9 @@ def adamw_8bit(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
-      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      compiled kernel of `optax4bit.cpu` for leaves whose last axis is a
+      multiple of 256 on CPUs where it beats the jnp path (its AVX-512 and
+      AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
 

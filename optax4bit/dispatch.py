@@ -7,8 +7,9 @@ Every optimizer of the library takes ``implementation=``:
   (``jax.default_backend() == "gpu"``, not ROCm); on the CPU backend the
   compiled C++ kernels of `optax4bit.cpu` where they are installed and faster
   than the jnp path (their AVX-512 and AVX2 builds; 4-bit AdamW, AdamW with a
-  factored second moment and SGD with momentum, everything else runs the jnp
-  reference); the jnp reference elsewhere.
+  factored second moment, SGD with momentum and `adamw_8bit`; everything else
+  runs the jnp engine, with the kernel's 4-bit codecs); the jnp reference
+  elsewhere.
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
 * ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
   construction if it is not installed.

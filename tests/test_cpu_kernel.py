@@ -37,7 +37,7 @@ import pytest  # noqa: E402
 import optax4bit  # noqa: E402
 import optax4bit.cpu  # noqa: E402
 from optax4bit.cpu import ffi as cpu_ffi  # noqa: E402
-from optax4bit import dispatch, pallas  # noqa: E402
+from optax4bit import alias, dispatch, pallas  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 needs_kernel = pytest.mark.skipif(not optax4bit.cpu.available(),
@@ -371,6 +371,135 @@ def test_kernel_sharded_matches_jnp():
   same_nan = result.pop("same_nan")
   assert_close({k: result[k] for k in ("code_fraction", "code_level", "scale_ulps")},
                {"update_ulps": result["update_ulps"], "same_nan": same_nan})
+
+
+# 8-bit Adam (adamw_8bit): both moments B256/DE, one kernel call per leaf.
+# Rows not a multiple of anything; one row; a last axis that is not a
+# multiple of 256 (jnp path); a 1-D leaf (jnp path).
+SHAPES_8BIT = {"a": (300, 256), "b": (64, 512), "c": (1, 256), "d": (33, 384), "e": (1000,)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_kernel_8bit_bitwise_matches_jnp(nesterov):
+  """adamw_8bit: several steps with non-finite, zero, tiny and huge (g**2
+  overflows, then normal steps: restart_overflowed) gradients, on every ISA
+  path this CPU runs."""
+  params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
+            for i, (k, s) in enumerate(SHAPES_8BIT.items())}
+  txs = [optax4bit.adamw_8bit(1e-3, min_quantize_size=0, nesterov=nesterov,
+                              implementation=impl) for impl in ("jnp", "cpu")]
+  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
+  s_ref = txs[0].init(params)
+  states = {name: txs[1].init(params) for name in _runnable_isas()}
+  hlo = cpu_fn.lower(params, s_ref, params).as_text()
+  assert "optax4bit_adam_8bit_apply" in hlo and "optax4bit_adam_4bit" not in hlo
+  for step in range(5):
+    grads = _grads(params, step)
+    u_ref, s_ref = ref_fn(grads, s_ref, params)
+    for name, state in states.items():
+      with isa_path(name):
+        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state, params))
+      assert_bitwise(u_ref, s_ref[0], u_cpu, s_cpu[0], ("a", "b", "c", "d", "e"))
+      states[name] = s_cpu
+
+
+@needs_kernel
+def test_kernel_8bit_bitwise_bf16():
+  """bf16 gradients, in a leaf the jnp path runs in chunks: codes, scales and
+  update (rounded to bf16) bitwise those of the jnp path given the same
+  gradients in float32. (XLA compiles the jnp path's bf16 program to a
+  slightly different form: a few elements of its moments and update differ
+  from its float32 program's in the last bit.)"""
+  params = {"w": jnp.zeros((256, 1024), jnp.bfloat16)}
+  txs = [optax4bit.scale_by_adam_4bit(min_quantize_size=0, chunk_size=1 << 16,
+                                      first_moment=alias.EIGHT_BIT_FIRST_MOMENT,
+                                      second_moment=alias.EIGHT_BIT_SECOND_MOMENT,
+                                      implementation=impl) for impl in ("jnp", "cpu")]
+  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
+  s_ref = txs[0].init(params)
+  states = {name: txs[1].init(params) for name in _runnable_isas()}
+  for step in range(3):
+    grads = {"w": (0.01 * jax.random.normal(jax.random.PRNGKey(step), (256, 1024))).astype(
+        jnp.bfloat16)}
+    u_ref, s_ref = ref_fn({"w": grads["w"].astype(jnp.float32)}, s_ref)
+    u_ref = {"w": u_ref["w"].astype(jnp.bfloat16)}
+    for name, state in states.items():
+      with isa_path(name):
+        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state))
+      assert u_cpu["w"].dtype == jnp.bfloat16
+      assert_bitwise(u_ref, s_ref, u_cpu, s_cpu, ("w",))
+      states[name] = s_cpu
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ISAS)
+def test_auto_runs_the_8bit_kernel_only_where_it_is_faster(name):
+  """As for 4 bits: "auto" runs the 8-bit kernel on the AVX-512 and AVX2
+  paths, not on the baseline path (slower than the jnp path)."""
+  if name not in optax4bit.cpu.isas():
+    pytest.skip(f"this CPU does not run the {name} path")
+  params = {"w": jnp.ones((128, 256))}
+  tx = optax4bit.adamw_8bit(1e-3, min_quantize_size=0)
+  with isa_path(name):
+    hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  assert ("optax4bit_adam_8bit_apply" in hlo) == (name != "baseline")
+
+
+def _near_thresholds(mapping: str, signed: bool) -> np.ndarray:
+  """An 8-bit map's thresholds, their float32 neighbours and its entries."""
+  t = optax4bit.quant.maps.midpoint_thresholds(mapping, 8, signed)
+  up, down = np.nextafter(t, np.float32(np.inf)), np.nextafter(t, np.float32(-np.inf))
+  return np.concatenate([t, up, down, optax4bit.qmap(mapping, 8, signed)])
+
+
+@needs_kernel
+@pytest.mark.parametrize("second", ["DE", "DE-0"])
+def test_kernel_8bit_codes_at_every_threshold(second):
+  """The kernel's nearest rounding (a bucket lookup) against the jnp
+  reference's binary search at every threshold and its neighbours: with
+  b1 = b2 = 0 the new moments are g and g**2, encoded in blocks whose
+  maximum is 1 (so normalized exactly to themselves)."""
+  first = alias.EIGHT_BIT_FIRST_MOMENT
+  v_spec = optax4bit.QuantSpec("block", second, 8, signed=False, block_size=256)
+  m_values = _near_thresholds("DE", True)
+  # g**2 rounds to the v thresholds or next to them.
+  v_values = np.sqrt(_near_thresholds(second, False).astype(np.float64)).astype(np.float32)
+  values = np.concatenate([m_values, -m_values, v_values, [np.nan, 0.0, -0.0, 3e-39]])
+  row = np.resize(values.astype(np.float32), 255 * 2 * (-(-values.size // 510)))
+  g = np.insert(row.reshape(-1, 255), 0, 1.0, axis=1).reshape(2, -1)  # a 1 leads each block
+  g = jnp.asarray(g, jnp.float32)
+  moments = [optax4bit.quant.array.zeros(g.shape, jnp.float32, spec) for spec in (first, v_spec)]
+  # pylint: disable-next=protected-access
+  coef = cpu_ffi._coefficients(0.0, 0.0, 1e-8, 0.0, jnp.int32(1))
+  for name in _runnable_isas():
+    with isa_path(name):
+      _, (m, v) = jax.block_until_ready(cpu_ffi.adam_8bit_leaf(g, moments, coef, False))
+    for got, x, spec in ((m, g, first), (v, g * g, v_spec)):
+      ref = optax4bit.quantize(x, spec)
+      np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(ref.codes), err_msg=name)
+      np.testing.assert_array_equal(_bits(got.scales[0]), _bits(ref.scales[0]), err_msg=name)
+
+
+def test_covers_8bit():
+  """adamw_8bit's quantizers (and a zero-free second moment) on a last axis
+  that is a multiple of 256; no other 8-bit quantizers or pairings."""
+  def moments(shape, first=alias.EIGHT_BIT_FIRST_MOMENT, second=alias.EIGHT_BIT_SECOND_MOMENT):
+    state = optax4bit.scale_by_adam_4bit(min_quantize_size=0, first_moment=first,
+                                         second_moment=second).init({"w": jnp.zeros(shape)})
+    return state.mu["w"], state.nu["w"]
+  g = jnp.zeros((4, 512))
+  assert cpu_ffi.covers(g, moments((4, 512)))
+  de0 = optax4bit.QuantSpec("block", "DE-0", 8, signed=False, block_size=256)
+  assert cpu_ffi.covers(g, moments((4, 512), second=de0))
+  assert not cpu_ffi.covers(jnp.zeros((4, 384)), moments((4, 384)))
+  assert not cpu_ffi.covers(jnp.zeros((512,)), moments((512,)))
+  stochastic = alias.EIGHT_BIT_FIRST_MOMENT.replace(stochastic=True)
+  assert not cpu_ffi.covers(g, moments((4, 512), first=stochastic))
+  b128 = alias.EIGHT_BIT_FIRST_MOMENT.replace(block_size=128)
+  assert not cpu_ffi.covers(g, moments((4, 512), first=b128))
+  assert not cpu_ffi.covers(g, moments((4, 512), second="Rank-1/Linear"))  # 8-bit with 4-bit
+  assert not cpu_ffi.covers(g, moments((4, 512), first="B128/DE"))
 
 
 # The momentum and factored kernels: one first-moment call (its row kernels

@@ -22,6 +22,8 @@
 // Optax4bitFirstMomentApply (first_moment_step.h, its rows in
 // first_moment_rows.h), that runs the same row kernels for the first moment
 // (decode, encode, rounding).
+// 8-bit Adam (optax4bit.adamw_8bit: both moments B256/DE, 8 bits, nearest)
+// is one call, Adam8bitApply: its block scales need no statistics pass.
 // The row kernels are compiled once per ISA path (on x86-64 with GCC: AVX-512,
 // AVX2 and baseline x86-64; elsewhere the compiler's baseline). Calls run the
 // best path this CPU runs unless Optax4bitUseCpuIsa picks another.
@@ -179,6 +181,31 @@ struct FirstMomentRowsArgs {
   float* m_scales_out;
 };
 
+// 8-bit Adam (Adam8bitApply): blocks of 256 elements of a row, and the
+// buckets of NearestCodes256 (adam_4bit_rows.h; optax4bit.cpu.ffi._buckets
+// builds their tables with the same constants): |n| clamped to [2**-23, 1],
+// 128 buckets per octave, for each sign.
+constexpr int64_t kBlock8 = 256;
+constexpr int32_t kBucketLowBits = (127 - 23) << 23;
+constexpr int32_t kBucketHighBits = 127 << 23;
+constexpr int kBucketShift = 23 - 7;
+constexpr int32_t kBuckets8 = ((kBucketHighBits - kBucketLowBits) >> kBucketShift) + 1;
+constexpr int64_t kBucketTableSize = 2 * kBuckets8;  // per moment
+constexpr int64_t kTables8Size = 2 * 256;  // the 256 entries of each moment's map
+
+// What the rows of Adam8bitApply read and write; see Apply8bitImpl.
+struct Apply8bitRowsArgs {
+  int64_t h;  // half the row length
+  const float *g, *m_scales, *v_scales, *m_table, *v_table;
+  const uint8_t *m_codes, *v_codes;
+  const int32_t *m_buckets, *v_buckets;
+  Coefficients c;
+  bool nesterov;
+  float* out;
+  uint8_t *m_out, *v_out;
+  float *m_scales_out, *v_scales_out;
+};
+
 // The row kernels of each ISA path, in a namespace of its own (their vectors
 // as wide as the path's registers).
 #ifdef OPTAX4BIT_X86_PATHS
@@ -189,6 +216,7 @@ namespace avx512 {
 #define OPTAX4BIT_ROWS_AVX2 0
 #include "adam_4bit_rows.h"
 #include "first_moment_rows.h"
+#include "adam_8bit_rows.h"
 #include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
@@ -201,6 +229,7 @@ namespace avx2 {
 #define OPTAX4BIT_ROWS_AVX2 1
 #include "adam_4bit_rows.h"
 #include "first_moment_rows.h"
+#include "adam_8bit_rows.h"
 #include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
@@ -212,6 +241,7 @@ namespace baseline {
 #define OPTAX4BIT_ROWS_AVX2 0
 #include "adam_4bit_rows.h"
 #include "first_moment_rows.h"
+#include "adam_8bit_rows.h"
 #include "codec_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
@@ -224,6 +254,7 @@ struct IsaPath {
   void (*stats_rows)(const StatsRowsArgs&, int64_t, int64_t, float*, uint32_t*);
   void (*apply_rows)(const ApplyRowsArgs&, int64_t, int64_t, float*);
   void (*first_moment_rows)(const FirstMomentRowsArgs&, int64_t, int64_t, float*);
+  void (*apply_8bit_rows)(const Apply8bitRowsArgs&, int64_t, int64_t, float*);
 };
 
 #ifdef OPTAX4BIT_X86_PATHS
@@ -244,11 +275,13 @@ bool RunsAvx512() {
 // Best first.
 constexpr IsaPath kIsaPaths[] = {
 #ifdef OPTAX4BIT_X86_PATHS
-    {"avx512", RunsAvx512, avx512::StatsRows, avx512::ApplyRows, avx512::FirstMomentRows},
-    {"avx2", RunsAvx2, avx2::StatsRows, avx2::ApplyRows, avx2::FirstMomentRows},
+    {"avx512", RunsAvx512, avx512::StatsRows, avx512::ApplyRows, avx512::FirstMomentRows,
+     avx512::Apply8bitRows},
+    {"avx2", RunsAvx2, avx2::StatsRows, avx2::ApplyRows, avx2::FirstMomentRows,
+     avx2::Apply8bitRows},
 #endif
     {"baseline", [] { return true; }, baseline::StatsRows, baseline::ApplyRows,
-     baseline::FirstMomentRows},
+     baseline::FirstMomentRows, baseline::Apply8bitRows},
 };
 
 // The path the calls run: the best this CPU runs unless set otherwise.
@@ -457,44 +490,6 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   return ffi::Error::Success();
 }
 
-}  // namespace
-
-#ifndef OPTAX4BIT_JAXLIB_VERSION
-#define OPTAX4BIT_JAXLIB_VERSION "unknown"
-#endif
-
-// The jaxlib whose FFI headers this library was built against: XLA runs
-// handlers built against older headers, not newer ones.
-extern "C" const char* Optax4bitBuildJaxlibVersion() { return OPTAX4BIT_JAXLIB_VERSION; }
-
-// The ISA paths this CPU runs, best first, comma-separated
-// ("avx512,avx2,baseline" on an AVX-512 x86-64 machine).
-extern "C" const char* Optax4bitCpuIsas() {
-  static const std::string names = [] {
-    std::string r;
-    for (const IsaPath& path : kIsaPaths) {
-      if (path.runs()) r += (r.empty() ? "" : ",") + std::string(path.name);
-    }
-    return r;
-  }();
-  return names.c_str();
-}
-
-// The ISA path the calls run.
-extern "C" const char* Optax4bitCpuIsa() { return CurrentIsaPath().load()->name; }
-
-// Makes later calls run the ISA path `name` (for tests and benchmarks);
-// returns 0 and changes nothing where this CPU does not run it.
-extern "C" int Optax4bitUseCpuIsa(const char* name) {
-  for (const IsaPath& path : kIsaPaths) {
-    if (std::strcmp(path.name, name) == 0 && path.runs()) {
-      CurrentIsaPath().store(&path);
-      return 1;
-    }
-  }
-  return 0;
-}
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitStats, StatsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -531,6 +526,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // v codes (in place)
 );
+
+// The fused step of 8-bit Adam.
+#include "adam_8bit_ffi.h"
 
 // The fused step of momentum and factored Adam.
 #include "first_moment_step.h"

@@ -1,7 +1,8 @@
-"""The fused XLA CPU kernels of the 4-bit optimizers, called through ``jax.ffi``.
+"""The fused XLA CPU kernels of the 4-bit optimizers and of 8-bit Adam, called
+through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers three FFI targets for XLA's CPU backend. Its row kernels
+extension) registers FFI targets for XLA's CPU backend. Its row kernels
 (``adam_4bit_rows.h``, one set shared by all steps; ``first_moment_rows.h``
 runs them for the steps without a quantized second moment) are compiled per
 ISA path (`isas`); calls run the best one this CPU runs (`isa`) unless
@@ -31,6 +32,13 @@ alone: heavy-ball momentum (`CpuSteps.momentum`, ``sgdm_4bit``) and Adam with
 a factored second moment (`CpuSteps.factored`, ``adamw_4bit_factor``; the
 factors, updated by the jnp code of `optax4bit.transform`, come in as
 inputs).
+
+It also covers `optax4bit.adamw_8bit`: both moments ``B256/DE`` with 8 bits
+(the second also ``B256/DE-0``), nearest rounding, on a 2-D leaf whose last
+axis is a multiple of 256. Block scales need no statistics of the whole leaf:
+one call (``apply_8bit``) per leaf. Its nearest rounding looks each code up
+in a table of buckets of the normalized value (`_buckets`) instead of the
+jnp path's binary search over 255 thresholds; the codes are the same.
 
 It computes what the jnp reference computes, in the form XLA's CPU backend
 compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
@@ -75,6 +83,18 @@ _FIRST_MOMENTS = tuple(QuantSpec("block", mapping, 4, signed=True, block_size=12
                        for mapping in ("DE", "NF") for stochastic in (False, True))
 _SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False)
                         for mapping in ("Linear", "SqrtDE-0"))
+_APPLY_8BIT_TARGET = "optax4bit_adam_8bit_apply"
+# The 8-bit quantizers (`optax4bit.adamw_8bit`'s, and its second moment without zero).
+_FIRST_MOMENTS_8BIT = (QuantSpec("block", "DE", 8, signed=True, block_size=256),)
+_SECOND_MOMENTS_8BIT = tuple(QuantSpec("block", mapping, 8, signed=False, block_size=256)
+                             for mapping in ("DE", "DE-0"))
+# The buckets of the 8-bit kernel's nearest rounding (NearestCodes256 in
+# adam_4bit_rows.h, same constants): |n| clamped to [2**-23, 1], its exponent
+# and top 7 mantissa bits.
+_BUCKET_LOW_BITS = (127 - 23) << 23
+_BUCKET_HIGH_BITS = 127 << 23
+_BUCKET_SHIFT = 23 - 7
+_BUCKETS = ((_BUCKET_HIGH_BITS - _BUCKET_LOW_BITS) >> _BUCKET_SHIFT) + 1
 
 
 @functools.cache
@@ -92,6 +112,48 @@ def _tables(first_mapping: str, second_mapping: str) -> np.ndarray:
   return np.concatenate([_first_moment_tables(first_mapping),
                          maps.qmap(second_mapping, 4, False),
                          maps.midpoint_thresholds(second_mapping, 4, False)]).astype(np.float32)
+
+
+@functools.cache
+def _tables_8bit(first_mapping: str, second_mapping: str) -> np.ndarray:
+  """The 8-bit kernel's ``tables`` input: each moment's 256 entries."""
+  return np.concatenate([maps.qmap(first_mapping, 8, True),
+                         maps.qmap(second_mapping, 8, False)]).astype(np.float32)
+
+
+def _moment_buckets(mapping: str, signed: bool) -> np.ndarray:
+  """The entries of NearestCodes256 (adam_4bit_rows.h) for one map: per
+  bucket of n (positive n, then negative), ``count << 16 | key``: the count
+  of thresholds below all of the bucket's values and the key of the one
+  threshold the bucket holds (0xffff if none)."""
+  thresholds = maps.midpoint_thresholds(mapping, 8, signed)
+  b = np.arange(_BUCKETS, dtype=np.int64)
+  # The bucket's |n| range, 0 and +inf taken in by the clamp at the ends.
+  low = np.where(b == 0, 0, _BUCKET_LOW_BITS + (b << _BUCKET_SHIFT))
+  high = np.where(b == _BUCKETS - 1, 0x7F800000,
+                  _BUCKET_LOW_BITS + ((b + 1) << _BUCKET_SHIFT) - 1)
+  low, high = (x.astype(np.uint32).view(np.float32) for x in (low, high))
+  below = lambda x: np.searchsorted(thresholds, x, side="left")  # thresholds < x
+  ends = (b == 0) | (b == _BUCKETS - 1)  # n's low bits say nothing there
+  entries = []
+  # n in [low, high] (negative: [-high, -low]) is above the thresholds below
+  # low (-high); the bucket holds those in [low, high) ([-high, -low)).
+  for first, end, flip in ((below(low), below(high), 0), (below(-high), below(-low), 0xFFFF)):
+    held = end - first
+    if held.max() > 1 or held[ends].any():
+      raise ValueError(f"8-bit {mapping}: a bucket of n holds more than one threshold, "
+                       "or one where the clamp takes n in")
+    bits = thresholds[np.minimum(first, thresholds.size - 1)].view(np.uint32).astype(np.int64)
+    key = np.where(held == 1, (bits & 0xFFFF) ^ flip, 0xFFFF)
+    entries.append(first << 16 | key)
+  return np.concatenate(entries).astype(np.int32)
+
+
+@functools.cache
+def _buckets(first_mapping: str, second_mapping: str) -> np.ndarray:
+  """The 8-bit kernel's ``buckets`` input: first moment, then second."""
+  return np.concatenate([_moment_buckets(first_mapping, True),
+                         _moment_buckets(second_mapping, False)])
 
 
 def _library_path() -> Optional[str]:
@@ -162,6 +224,8 @@ def _load_library() -> Optional[str]:
   jax.ffi.register_ffi_target(_FIRST_MOMENT_TARGET,
                               jax.ffi.pycapsule(library.Optax4bitFirstMomentApply),
                               platform="cpu")
+  jax.ffi.register_ffi_target(
+      _APPLY_8BIT_TARGET, jax.ffi.pycapsule(library.Optax4bitAdam8bitApply), platform="cpu")
   return None
 
 
@@ -230,14 +294,23 @@ def _covers_grad(grad) -> bool:
 
 
 def covers(grad, moments) -> bool:
-  """Whether the Adam kernel computes this leaf: a 2-D leaf with at least one
-  row, a last axis that is a multiple of 128 and moments quantized with 4
-  bits as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic rounding)
-  and ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest rounding)."""
+  """Whether the Adam kernel computes this leaf: a 2-D floating-point leaf
+  with at least one row and moments quantized
+
+  * with 4 bits as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic
+    rounding) and ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest
+    rounding), the last axis a multiple of 128; or
+  * with 8 bits as ``B256/DE`` (signed) and ``B256/DE`` or ``B256/DE-0``
+    (unsigned), nearest rounding (`optax4bit.adamw_8bit`), the last axis a
+    multiple of 256 (blocks within rows)."""
   if len(moments) != 2 or not all(isinstance(m, QuantizedArray) for m in moments):
     return False
   m, v = moments
-  return m.spec in _FIRST_MOMENTS and v.spec in _SECOND_MOMENTS and _covers_grad(grad)
+  if not _covers_grad(grad):
+    return False
+  if m.spec in _FIRST_MOMENTS_8BIT and v.spec in _SECOND_MOMENTS_8BIT:
+    return grad.shape[1] % 256 == 0
+  return m.spec in _FIRST_MOMENTS and v.spec in _SECOND_MOMENTS
 
 
 def covers_first_moment(grad, moment) -> bool:
@@ -245,6 +318,10 @@ def covers_first_moment(grad, moment) -> bool:
   `covers` accepts, with its first moment (the only quantized one) as there."""
   return (isinstance(moment, QuantizedArray) and moment.spec in _FIRST_MOMENTS
           and _covers_grad(grad))
+
+
+def _is_8bit(moments) -> bool:
+  return moments[0].spec.bits == 8
 
 
 def _coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
@@ -361,6 +438,32 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
   return update.astype(grad.dtype), new_m
 
 
+def _apply_8bit_call(grad, m: QuantizedArray, v: QuantizedArray, coef, nesterov: bool):
+  (m_scales,), (v_scales,) = m.scales, v.scales
+  out_types = (jax.ShapeDtypeStruct(grad.shape, jnp.float32),
+               jax.ShapeDtypeStruct(m.codes.shape, jnp.uint8),
+               jax.ShapeDtypeStruct(m_scales.shape, jnp.float32),
+               jax.ShapeDtypeStruct(v.codes.shape, jnp.uint8),
+               jax.ShapeDtypeStruct(v_scales.shape, jnp.float32))
+  mappings = (m.spec.mapping, v.spec.mapping)
+  return jax.ffi.ffi_call(
+      _APPLY_8BIT_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4},
+      vmap_method="sequential")(grad, m.codes, m_scales, v.codes, v_scales, coef,
+                                jnp.asarray(_tables_8bit(*mappings)),
+                                jnp.asarray(_buckets(*mappings)), nesterov=np.bool_(nesterov))
+
+
+def adam_8bit_leaf(grad, moments, coef, nesterov: bool):
+  """One Adam step of an 8-bit leaf `covers` accepts, in one call (block
+  scales need no statistics of the whole leaf); returns ``(update, (m, v))``."""
+  m, v = moments
+  update, m_codes, m_scales, v_codes, v_scales = _apply_8bit_call(
+      grad.astype(jnp.float32), m, v, coef, nesterov)
+  new_m = QuantizedArray(m_codes, (m_scales,), m.spec, m.shape, m.dtype)
+  new_v = QuantizedArray(v_codes, (v_scales,), v.spec, v.shape, v.dtype)
+  return update.astype(grad.dtype), (new_m, new_v)
+
+
 class CpuSteps:
   """The fused steps of `optax4bit.dispatch.fused_steps` on XLA's CPU
   backend: Adam, Adam with a factored second moment and momentum; every
@@ -378,6 +481,8 @@ class CpuSteps:
 
     def local(g, local_moments, side, local_keys, reduce_scales, consts):
       del side
+      if _is_8bit(local_moments):
+        return adam_8bit_leaf(g, local_moments, consts[0], nesterov)
       return adam_leaf(g, local_moments, consts[0], nesterov, reduce_scales, local_keys)
 
     return _sharding.run_fused(
