@@ -481,12 +481,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.v_out = v_codes_out->typed_data();
   args.m_scales_out = m_scales_out->typed_data();
   const IsaPath& isa = *CurrentIsaPath().load();
-  RowSplitter splitter(pool, rows, d);
-  std::vector<std::vector<float>> scratch(splitter.NumWorkers());
-  splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
-    scratch[worker].resize(3 * d);
-    isa.apply_rows(args, lo, hi, scratch[worker].data());
-  });
+  RunRows(pool, rows, d, 3, args, isa.apply_rows);
   return ffi::Error::Success();
 }
 

@@ -62,12 +62,7 @@ ffi::Error Apply8bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.m_scales_out = m_scales_out->typed_data();
   args.v_scales_out = v_scales_out->typed_data();
   const IsaPath& isa = *CurrentIsaPath().load();
-  RowSplitter splitter(pool, rows, d);
-  std::vector<std::vector<float>> scratch(splitter.NumWorkers());
-  splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
-    scratch[worker].resize(3 * d);
-    isa.apply_8bit_rows(args, lo, hi, scratch[worker].data());
-  });
+  RunRows(pool, rows, d, 3, args, isa.apply_8bit_rows);
   return ffi::Error::Success();
 }
 

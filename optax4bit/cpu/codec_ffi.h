@@ -24,19 +24,6 @@ static_assert(sizeof(kCodecPaths) / sizeof(kCodecPaths[0]) ==
 
 const CodecPath& CurrentCodecPath() { return kCodecPaths[CurrentIsaPath().load() - kIsaPaths]; }
 
-// Runs rows(args, lo, hi, scratch) over `rows` rows of d values, split over
-// the threads, each with d floats of scratch.
-template <typename Rows>
-void RunCodecRows(ffi::ThreadPool& pool, int64_t rows, int64_t d, const CodecRowsArgs& args,
-                  Rows rows_fn) {
-  RowSplitter splitter(pool, rows, d);
-  std::vector<std::vector<float>> scratch(splitter.NumWorkers());
-  splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
-    scratch[worker].resize(d);
-    rows_fn(args, lo, hi, scratch[worker].data());
-  });
-}
-
 // Rows and row length of a codec's float array: 2-D, a multiple of 128 columns.
 ffi::Error CodecGeometry(ffi::Span<const int64_t> dims, int64_t& rows, int64_t& d) {
   if (dims.size() != 2 || dims[1] % (2 * kBlockBytes) != 0) {
@@ -71,7 +58,7 @@ ffi::Error Decode4bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
   args.col_scales = col_scales.typed_data();
   args.table = table.typed_data();
   args.out = out->typed_data();
-  RunCodecRows(pool, rows, d, args, CurrentCodecPath().decode_rows);
+  RunRows(pool, rows, d, 1, args, CurrentCodecPath().decode_rows);
   return ffi::Error::Success();
 }
 
@@ -103,7 +90,7 @@ ffi::Error EncodeBlock4bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   args.seed = seeds.typed_data()[0];
   args.codes_out = codes->typed_data();
   args.block_scales_out = block_scales->typed_data();
-  RunCodecRows(pool, rows, d, args, CurrentCodecPath().encode_block_rows);
+  RunRows(pool, rows, d, 1, args, CurrentCodecPath().encode_block_rows);
   return ffi::Error::Success();
 }
 
@@ -141,7 +128,7 @@ ffi::Error EncodeRank14bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   args.inv_col_odd = encoder.inv_col_odd.data();
   args.inverse_factor = encoder.inverse_factor;
   args.codes_out = codes->typed_data();
-  RunCodecRows(pool, rows, d, args, CurrentCodecPath().encode_rank1_rows);
+  RunRows(pool, rows, d, 1, args, CurrentCodecPath().encode_rank1_rows);
   return ffi::Error::Success();
 }
 

@@ -87,3 +87,15 @@ class RowSplitter {
   int64_t rows_, grain_, chunks_, workers_;
 };
 
+// Runs rows_fn(args, lo, hi, scratch) over `rows` rows of d values, split over
+// the threads, each with scratch_rows * d floats of scratch.
+template <typename Args, typename RowsFn>
+void RunRows(ffi::ThreadPool& pool, int64_t rows, int64_t d, int64_t scratch_rows,
+             const Args& args, RowsFn rows_fn) {
+  RowSplitter splitter(pool, rows, d);
+  std::vector<std::vector<float>> scratch(splitter.NumWorkers());
+  splitter.Run([&](int64_t lo, int64_t hi, int64_t worker) {
+    scratch[worker].resize(scratch_rows * d);
+    rows_fn(args, lo, hi, scratch[worker].data());
+  });
+}
