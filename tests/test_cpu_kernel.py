@@ -135,6 +135,35 @@ def test_isa_paths():
     cpu_ffi._use_isa("sse9")  # pylint: disable=protected-access
 
 
+def _steps_on_every_isa(txs, params, grads_per_step, pass_params=True):
+  """Runs ``txs[0]`` (the jnp path) and ``txs[1]`` (the kernel, on every ISA
+  path this CPU runs, each from its own state) over the gradients; yields
+  ``(isa, u_ref, s_ref, u_cpu, s_cpu)`` after each step and path."""
+  extra = (params,) if pass_params else ()
+  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
+  s_ref = txs[0].init(params)
+  states = {name: txs[1].init(params) for name in _runnable_isas()}
+  for grads in grads_per_step:
+    u_ref, s_ref = ref_fn(grads, s_ref, *extra)
+    for name, state in states.items():
+      with isa_path(name):
+        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state, *extra))
+      yield name, u_ref, s_ref, u_cpu, s_cpu
+      states[name] = s_cpu
+
+
+def _lowered_text(tx, params, pass_params=True) -> str:
+  extra = (params,) if pass_params else ()
+  return jax.jit(tx.update).lower(params, tx.init(params), *extra).as_text()
+
+
+def _mixed_grads(params, step):
+  """Gradients in each parameter's dtype (bf16 leaves included)."""
+  return {k: (0.1 * p.astype(jnp.float32) + 0.01 * jax.random.normal(
+      jax.random.PRNGKey(10 * step + i), p.shape)).astype(p.dtype)
+          for i, (k, p) in enumerate(params.items())}
+
+
 def _grads(params, step):
   key = jax.random.PRNGKey(100 + step)
   grads = {k: 0.1 * p + 0.01 * jax.random.normal(jax.random.fold_in(key, i), p.shape, p.dtype)
@@ -280,23 +309,15 @@ def test_kernel_bitwise_matches_jnp(recipe, first, second, nesterov):
   txs = [optax4bit.scale_by_adam_4bit(min_quantize_size=0, nesterov=nesterov, recipe=recipe,
                                       first_moment=first, second_moment=second,
                                       implementation=impl) for impl in ("jnp", "cpu")]
-  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
-  s_ref = txs[0].init(params)
-  states = {name: txs[1].init(params) for name in _runnable_isas()}
-  assert "optax4bit_adam_4bit_apply" in cpu_fn.lower(params, s_ref).as_text()
-  for step in range(5):
-    grads = _grads(params, step)
-    u_ref, s_ref = ref_fn(grads, s_ref)
-    for name, state in states.items():
-      with isa_path(name):
-        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state))
-      assert_bitwise(u_ref, s_ref, u_cpu, s_cpu, ("a", "b"))
-      assert_close(compare_states(s_ref, s_cpu), compare_updates(u_ref, u_cpu))
-      np.testing.assert_array_equal(np.asarray(s_ref.mu["c"].codes),
-                                    np.asarray(s_cpu.mu["c"].codes))
-      for k in ("d", "e"):  # the jnp path in both
-        np.testing.assert_array_equal(u_ref[k], u_cpu[k])
-      states[name] = s_cpu
+  assert "optax4bit_adam_4bit_apply" in _lowered_text(txs[1], params, pass_params=False)
+  for _, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
+      txs, params, (_grads(params, step) for step in range(5)), pass_params=False):
+    assert_bitwise(u_ref, s_ref, u_cpu, s_cpu, ("a", "b"))
+    assert_close(compare_states(s_ref, s_cpu), compare_updates(u_ref, u_cpu))
+    np.testing.assert_array_equal(np.asarray(s_ref.mu["c"].codes),
+                                  np.asarray(s_cpu.mu["c"].codes))
+    for k in ("d", "e"):  # the jnp path in both
+      np.testing.assert_array_equal(u_ref[k], u_cpu[k])
 
 
 @needs_kernel
@@ -309,20 +330,10 @@ def test_kernel_bitwise_bf16_and_chunked(recipe):
             "h": (0.02 * jax.random.normal(jax.random.PRNGKey(1), (96, 512))).astype(jnp.bfloat16)}
   txs = [optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe=recipe, chunk_size=1 << 16,
                               implementation=impl) for impl in ("jnp", "cpu")]
-  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
-  s_ref = txs[0].init(params)
-  states = {name: txs[1].init(params) for name in _runnable_isas()}
-  for step in range(3):
-    grads = {k: (0.1 * p.astype(jnp.float32) + 0.01 * jax.random.normal(
-        jax.random.PRNGKey(10 * step + i), p.shape)).astype(p.dtype)
-             for i, (k, p) in enumerate(params.items())}
-    u_ref, s_ref = ref_fn(grads, s_ref, params)
-    for name, state in states.items():
-      with isa_path(name):
-        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state, params))
-      assert u_cpu["h"].dtype == jnp.bfloat16
-      assert_bitwise(u_ref, s_ref[0], u_cpu, s_cpu[0], ("w", "h"))
-      states[name] = s_cpu
+  for _, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
+      txs, params, (_mixed_grads(params, step) for step in range(3))):
+    assert u_cpu["h"].dtype == jnp.bfloat16
+    assert_bitwise(u_ref, s_ref[0], u_cpu, s_cpu[0], ("w", "h"))
 
 
 def _sharded_check() -> dict:
@@ -389,19 +400,11 @@ def test_kernel_8bit_bitwise_matches_jnp(nesterov):
             for i, (k, s) in enumerate(SHAPES_8BIT.items())}
   txs = [optax4bit.adamw_8bit(1e-3, min_quantize_size=0, nesterov=nesterov,
                               implementation=impl) for impl in ("jnp", "cpu")]
-  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
-  s_ref = txs[0].init(params)
-  states = {name: txs[1].init(params) for name in _runnable_isas()}
-  hlo = cpu_fn.lower(params, s_ref, params).as_text()
+  hlo = _lowered_text(txs[1], params)
   assert "optax4bit_adam_8bit_apply" in hlo and "optax4bit_adam_4bit" not in hlo
-  for step in range(5):
-    grads = _grads(params, step)
-    u_ref, s_ref = ref_fn(grads, s_ref, params)
-    for name, state in states.items():
-      with isa_path(name):
-        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state, params))
-      assert_bitwise(u_ref, s_ref[0], u_cpu, s_cpu[0], ("a", "b", "c", "d", "e"))
-      states[name] = s_cpu
+  for _, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
+      txs, params, (_grads(params, step) for step in range(5))):
+    assert_bitwise(u_ref, s_ref[0], u_cpu, s_cpu[0], ("a", "b", "c", "d", "e"))
 
 
 @needs_kernel
@@ -534,20 +537,12 @@ def test_first_moment_kernels_bitwise_match_jnp(kind, recipe):
   params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
             for i, (k, s) in enumerate(SHAPES.items())}
   txs = [_first_moment_tx(kind, impl, recipe=recipe) for impl in ("jnp", "cpu")]
-  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
-  s_ref = txs[0].init(params)
-  states = {name: txs[1].init(params) for name in _runnable_isas()}
-  assert "optax4bit_first_moment_apply" in cpu_fn.lower(params, s_ref).as_text()
-  for step in range(4):
-    grads = _grads(params, step)
-    u_ref, s_ref = ref_fn(grads, s_ref)
-    for name, state in states.items():
-      with isa_path(name):
-        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state))
-      for k in SHAPES:
-        np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
-      assert_states_bitwise(s_ref, s_cpu)
-      states[name] = s_cpu
+  assert "optax4bit_first_moment_apply" in _lowered_text(txs[1], params, pass_params=False)
+  for name, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
+      txs, params, (_grads(params, step) for step in range(4)), pass_params=False):
+    for k in SHAPES:
+      np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
+    assert_states_bitwise(s_ref, s_cpu)
 
 
 @needs_kernel
@@ -559,22 +554,12 @@ def test_first_moment_kernels_bitwise_bf16_and_chunked(optimizer):
             "h": (0.02 * jax.random.normal(jax.random.PRNGKey(1), (96, 512))).astype(jnp.bfloat16)}
   txs = [getattr(optax4bit, optimizer)(1e-3, min_quantize_size=0, chunk_size=1 << 16,
                                        implementation=impl) for impl in ("jnp", "cpu")]
-  ref_fn, cpu_fn = [jax.jit(tx.update) for tx in txs]
-  s_ref = txs[0].init(params)
-  states = {name: txs[1].init(params) for name in _runnable_isas()}
-  for step in range(2):
-    grads = {k: (0.1 * p.astype(jnp.float32) + 0.01 * jax.random.normal(
-        jax.random.PRNGKey(10 * step + i), p.shape)).astype(p.dtype)
-             for i, (k, p) in enumerate(params.items())}
-    u_ref, s_ref = ref_fn(grads, s_ref, params)
-    for name, state in states.items():
-      with isa_path(name):
-        u_cpu, s_cpu = jax.block_until_ready(cpu_fn(grads, state, params))
-      assert u_cpu["h"].dtype == jnp.bfloat16
-      for k in params:
-        np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
-      assert_states_bitwise(s_ref, s_cpu)
-      states[name] = s_cpu
+  for name, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
+      txs, params, (_mixed_grads(params, step) for step in range(2))):
+    assert u_cpu["h"].dtype == jnp.bfloat16
+    for k in params:
+      np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
+    assert_states_bitwise(s_ref, s_cpu)
 
 
 @needs_kernel

@@ -436,6 +436,39 @@ struct FirstMomentRounding {
   }
 };
 
+// Block maxima of one row (split even/odd) into block_scales, blocks of
+// kHalfBlock elements of each half, then store(j, xe, xo) for every kLanes
+// elements j of each half, normalized (x * (4 / scale)) * 0.25 with NaN read
+// as 0 (optax4bit.quant.normalize.normalize). Blocks in groups of 16: the
+// maxima, then their reciprocals, then the codes, so that no block waits on
+// its own division.
+template <int64_t kHalfBlock, typename Store>
+__attribute__((always_inline)) inline void ForNormalizedBlocks(
+    int64_t h, const float* __restrict x, float* __restrict block_scales, Store store) {
+  constexpr int64_t kGroup = 16;
+  const int64_t blocks = h / kHalfBlock;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
+    const int64_t n = std::min(kGroup, blocks - b0);
+    float inverse[kGroup];
+    for (int64_t b = 0; b < n; ++b) {
+      const float* xb = x + (b0 + b) * kHalfBlock;
+      VU s = {};
+      for (int64_t j = 0; j < kHalfBlock; j += kLanes) {
+        s = MaxV(s, MaxV(FiniteAbsBits(LoadV(xb + j)), FiniteAbsBits(LoadV(xb + h + j))));
+      }
+      block_scales[b0 + b] = FromBits(HorizontalMax(s));
+    }
+    for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
+    for (int64_t b = 0; b < n; ++b) {
+      for (int64_t j = (b0 + b) * kHalfBlock; j < (b0 + b + 1) * kHalfBlock; j += kLanes) {
+        VF xe = (LoadV(x + j) * inverse[b]) * 0.25f;
+        VF xo = (LoadV(x + h + j) * inverse[b]) * 0.25f;
+        store(j, xe == xe ? xe : 0.0f, xo == xo ? xo : 0.0f);
+      }
+    }
+  }
+}
+
 // B128 codes of one row of m: block maxima, then the codes of the normalized
 // values. row_index: the flat index (mod 2**32) of the row's first element
 // in the leaf, for stochastic rounding's draws.
@@ -443,37 +476,13 @@ template <bool kStochastic, bool kFast>
 __attribute__((always_inline)) inline void EncodeFirstMomentT(
     int64_t h, const float* __restrict m, const FirstMomentRounding& shared_rounding,
     uint32_t row_index, float* __restrict block_scales, uint8_t* __restrict codes) {
-  // Blocks in groups of 16: the maxima, then their reciprocals, then the
-  // codes, so that no block waits on its own division.
-  constexpr int64_t kGroup = 16;
   // A copy the code stores cannot alias: it stays in registers.
   const FirstMomentRounding rounding = shared_rounding;
-  const int64_t blocks = h / kBlockBytes;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
-    const int64_t n = std::min(kGroup, blocks - b0);
-    float inverse[kGroup];
-    for (int64_t b = 0; b < n; ++b) {
-      const float* mb = m + (b0 + b) * kBlockBytes;
-      VU s = {};
-      for (int64_t j = 0; j < kBlockBytes; j += kLanes) {
-        s = MaxV(s, MaxV(FiniteAbsBits(LoadV(mb + j)), FiniteAbsBits(LoadV(mb + h + j))));
-      }
-      block_scales[b0 + b] = FromBits(HorizontalMax(s));
-    }
-    for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
-    for (int64_t b = 0; b < n; ++b) {
-      for (int64_t j = (b0 + b) * kBlockBytes; j < (b0 + b + 1) * kBlockBytes; j += kLanes) {
-        VF xe = (LoadV(m + j) * inverse[b]) * 0.25f;
-        VF xo = (LoadV(m + h + j) * inverse[b]) * 0.25f;
-        xe = xe == xe ? xe : 0.0f;
-        xo = xo == xo ? xo : 0.0f;
-        const VU even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
-        StoreCodes(codes + j, rounding.Codes<kStochastic, kFast>(xe, even_index) |
-                                    (rounding.Codes<kStochastic, kFast>(xo, even_index + 1)
-                                     << 4));
-      }
-    }
-  }
+  ForNormalizedBlocks<kBlockBytes>(h, m, block_scales, [&](int64_t j, VF xe, VF xo) {
+    const VU even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
+    StoreCodes(codes + j, rounding.Codes<kStochastic, kFast>(xe, even_index) |
+                              (rounding.Codes<kStochastic, kFast>(xo, even_index + 1) << 4));
+  });
 }
 
 void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,

@@ -154,31 +154,9 @@ struct NearestCodes256 {
 // Block scales (maxima of finite |x|) and codes of one row of a moment.
 void EncodeMoment8(int64_t h, const float* __restrict x, const NearestCodes256& rounding,
                    float* __restrict block_scales, uint8_t* __restrict codes) {
-  // Blocks in groups, as in EncodeFirstMomentT: no block waits on its division.
-  constexpr int64_t kGroup = 16;
-  const int64_t blocks = h / kHalfBlock8;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
-    const int64_t n = std::min(kGroup, blocks - b0);
-    float inverse[kGroup];
-    for (int64_t b = 0; b < n; ++b) {
-      const float* xb = x + (b0 + b) * kHalfBlock8;
-      VU s = {};
-      for (int64_t j = 0; j < kHalfBlock8; j += kLanes) {
-        s = MaxV(s, MaxV(FiniteAbsBits(LoadV(xb + j)), FiniteAbsBits(LoadV(xb + h + j))));
-      }
-      block_scales[b0 + b] = FromBits(HorizontalMax(s));
-    }
-    for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
-    for (int64_t b = 0; b < n; ++b) {
-      for (int64_t j = (b0 + b) * kHalfBlock8; j < (b0 + b + 1) * kHalfBlock8; j += kLanes) {
-        VF xe = (LoadV(x + j) * inverse[b]) * 0.25f;
-        VF xo = (LoadV(x + h + j) * inverse[b]) * 0.25f;
-        xe = xe == xe ? xe : 0.0f;
-        xo = xo == xo ? xo : 0.0f;
-        StoreCodes8(codes + 2 * j, rounding.Codes(xe), rounding.Codes(xo));
-      }
-    }
-  }
+  ForNormalizedBlocks<kHalfBlock8>(h, x, block_scales, [&](int64_t j, VF xe, VF xo) {
+    StoreCodes8(codes + 2 * j, rounding.Codes(xe), rounding.Codes(xo));
+  });
 }
 
 // Rows [lo, hi) of Adam8bitApply; scratch: 3d floats.
