@@ -55,22 +55,17 @@ def encode(value, spec, layout, key, first_row=0, scales=None):
   """``(codes, scales)`` of float32 ``value`` (rows ``first_row, ...`` of its
   leaf): under ``scales`` (rank-1 or tensor ones of the whole leaf) or, for
   None, its own block maxima."""
+  seed = origin = full_shape = None
+  if spec.stochastic:
+    origin, full_shape = hash_origin(value.shape, first_row)
+    seed = maps.rounding_seed(key)
   codecs = _native_codecs[-1] if _native_codecs else None
   if codecs is not None:
-    seed = bases = None
-    if spec.stochastic:
-      origin, full_shape = hash_origin(value.shape, first_row)
-      seed = maps.rounding_seed(key)
-      bases = maps.row_hash_bases(value.shape, origin, full_shape)
+    bases = None if seed is None else maps.row_hash_bases(value.shape, origin, full_shape)
     out = codecs.encode(value, spec, layout, scales, seed, bases)
     if out is not None:
       return out
   if scales is None:
     scales = normalize.compute_scales(normalize.finite_abs(value), layout)
-  uniform = None
-  if spec.stochastic:
-    origin, full_shape = hash_origin(value.shape, first_row)
-    uniform = maps.hashed_uniform(maps.rounding_seed(key), value.shape, origin, full_shape)
+  uniform = None if seed is None else maps.hashed_uniform(seed, value.shape, origin, full_shape)
   return qarray.encode(value, scales, spec, layout, uniform), scales
-
-
