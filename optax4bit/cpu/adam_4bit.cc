@@ -182,7 +182,7 @@ struct FirstMomentRowsArgs {
 };
 
 // 8-bit Adam (Adam8bitApply): blocks of 256 elements of a row, and the
-// buckets of NearestCodes256 (adam_4bit_rows.h; optax4bit.cpu.ffi._buckets
+// buckets of NearestCodes256 (adam_8bit_rows.h; optax4bit.cpu.ffi._buckets
 // builds their tables with the same constants): |n| clamped to [2**-23, 1],
 // 128 buckets per octave, for each sign.
 constexpr int64_t kBlock8 = 256;
@@ -214,10 +214,7 @@ struct Apply8bitRowsArgs {
 namespace avx512 {
 #define OPTAX4BIT_ROWS_AVX512 1
 #define OPTAX4BIT_ROWS_AVX2 0
-#include "adam_4bit_rows.h"
-#include "first_moment_rows.h"
-#include "adam_8bit_rows.h"
-#include "codec_rows.h"
+#include "isa_path_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx512
@@ -227,10 +224,7 @@ namespace avx512 {
 namespace avx2 {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 1
-#include "adam_4bit_rows.h"
-#include "first_moment_rows.h"
-#include "adam_8bit_rows.h"
-#include "codec_rows.h"
+#include "isa_path_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx2
@@ -239,10 +233,7 @@ namespace avx2 {
 namespace baseline {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 0
-#include "adam_4bit_rows.h"
-#include "first_moment_rows.h"
-#include "adam_8bit_rows.h"
-#include "codec_rows.h"
+#include "isa_path_rows.h"
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace baseline

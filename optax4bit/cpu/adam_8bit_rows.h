@@ -1,7 +1,7 @@
 // Row kernels of 8-bit Adam (adam_8bit_ffi.h: Optax4bitAdam8bitApply).
-// adam_4bit.cc includes this file after adam_4bit_rows.h in each ISA path's
-// namespace (no include guard): it shares that file's vectors, Update,
-// NesterovUpdate and RestartOverflowed.
+// isa_path_rows.h includes this file after adam_4bit_rows.h in each ISA path's
+// namespace (no include guard): it shares vector_ops.h's vectors and that
+// file's Update, NesterovUpdate and RestartOverflowed.
 
 // 8-bit Adam (adamw_8bit): both moments block-wise, blocks of kBlock8
 // elements of a row, 256-entry maps (a code a byte), nearest rounding. A row

@@ -89,7 +89,7 @@ _FIRST_MOMENTS_8BIT = (QuantSpec("block", "DE", 8, signed=True, block_size=256),
 _SECOND_MOMENTS_8BIT = tuple(QuantSpec("block", mapping, 8, signed=False, block_size=256)
                              for mapping in ("DE", "DE-0"))
 # The buckets of the 8-bit kernel's nearest rounding (NearestCodes256 in
-# adam_4bit_rows.h, same constants): |n| clamped to [2**-23, 1], its exponent
+# adam_8bit_rows.h, same constants): |n| clamped to [2**-23, 1], its exponent
 # and top 7 mantissa bits.
 _BUCKET_LOW_BITS = (127 - 23) << 23
 _BUCKET_HIGH_BITS = 127 << 23
@@ -122,7 +122,7 @@ def _tables_8bit(first_mapping: str, second_mapping: str) -> np.ndarray:
 
 
 def _moment_buckets(mapping: str, signed: bool) -> np.ndarray:
-  """The entries of NearestCodes256 (adam_4bit_rows.h) for one map: per
+  """The entries of NearestCodes256 (adam_8bit_rows.h) for one map: per
   bucket of n (positive n, then negative), ``count << 16 | key``: the count
   of thresholds below all of the bucket's values and the key of the one
   threshold the bucket holds (0xffff if none)."""

@@ -1,0 +1,161 @@
+// Vectors, loads and stores, table lookups and fused multiply-adds of one ISA
+// path, shared by its row kernels (adam_4bit_rows.h and the files after it).
+// isa_path_rows.h includes this file once per ISA path, inside that path's
+// namespace and under its `#pragma GCC target` (no include guard).
+// OPTAX4BIT_ROWS_AVX512 is 1 in the AVX-512 path, OPTAX4BIT_ROWS_AVX2 in the
+// AVX2 path.
+
+// Vectors of kLanes floats or ints (GCC/Clang vector extensions), as wide as
+// the path's registers: 16 lanes with AVX-512, where a 16-entry table lookup is
+// one permute (vpermps); 8 with AVX2, where it is two and a blend (wider
+// vectors than the registers GCC keeps in memory and permutes element by
+// element). The baseline path takes 16 lanes, as GCC lowers them.
+#if OPTAX4BIT_ROWS_AVX2
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 16;
+#endif
+typedef float VF __attribute__((vector_size(4 * kLanes)));
+typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t VU __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t VW __attribute__((vector_size(2 * kLanes)));
+typedef uint8_t VB __attribute__((vector_size(kLanes)));
+#if OPTAX4BIT_ROWS_AVX2
+constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14};
+constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15};
+#else
+constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#endif
+
+// Lane orders that interleave an even and an odd vector back into order.
+#if OPTAX4BIT_ROWS_AVX2
+constexpr VI kInterleaveLo = {0, 8, 1, 9, 2, 10, 3, 11};
+constexpr VI kInterleaveHi = {4, 12, 5, 13, 6, 14, 7, 15};
+#else
+constexpr VI kInterleaveLo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+constexpr VI kInterleaveHi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#endif
+
+inline VF LoadV(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
+// Stores the even elements e and odd elements o of 2 kLanes values in order.
+inline void StoreInterleaved(float* out, VF e, VF o) {
+  StoreV(out, __builtin_shuffle(e, o, kInterleaveLo));
+  StoreV(out + kLanes, __builtin_shuffle(e, o, kInterleaveHi));
+}
+// kLanes code bytes widened to ints: one vpmovzxbd where the path has it (GCC
+// turns a direct uint8 -> int32 conversion into scalar code, and the one
+// through uint16 below into a chain of nine instructions on AVX-512).
+inline VI LoadCodes(const uint8_t* p) {
+#if OPTAX4BIT_ROWS_AVX512
+  return (VI)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VI)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#else
+  VB v;
+  std::memcpy(&v, p, sizeof(v));
+  return __builtin_convertvector(__builtin_convertvector(v, VW), VI);
+#endif
+}
+inline void StoreCodes(uint8_t* p, VI codes) {
+#if OPTAX4BIT_ROWS_AVX2
+  // The low bytes gathered by a byte shuffle per 128-bit lane and a permute
+  // (GCC lowers the conversion below to one vpextrd, shift and or per lane).
+  const __m256i low_bytes = _mm256_shuffle_epi8(
+      (__m256i)codes, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                       0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i packed = _mm256_permutevar8x32_epi32(low_bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  _mm_storel_epi64((__m128i*)p, _mm256_castsi256_si128(packed));
+#else
+  const VB v = __builtin_convertvector(codes, VB);
+  std::memcpy(p, &v, sizeof(v));
+#endif
+}
+
+// A 16-entry table in registers (a map's entries or thresholds) and a
+// 32-entry one of ints.
+struct Table {
+  VF part[16 / kLanes];
+};
+struct IntTable32 {
+  VI part[32 / kLanes];
+#if OPTAX4BIT_ROWS_AVX2
+  __m256i bytes[2];  // the low bytes of entries [0, 16) and [16, 32), in both lanes
+#endif
+};
+
+inline Table LoadTable(const float* p) {
+  Table t;
+  std::memcpy(t.part, p, sizeof(t.part));
+  return t;
+}
+
+// t[index], index in [0, 16) (in [0, 32) for IntTable32).
+#if OPTAX4BIT_ROWS_AVX2
+// Two 8-entry permutes, blended on the index's bit 3 (moved to the sign bit).
+inline __m256 Lookup8x2(__m256 lo, __m256 hi, __m256i index) {
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, index),
+                          _mm256_permutevar8x32_ps(hi, index),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+}
+
+inline VF Lookup(const Table& t, VI index) {
+  return (VF)Lookup8x2((__m256)t.part[0], (__m256)t.part[1], (__m256i)index);
+}
+
+inline VI Lookup(const IntTable32& t, VI index) {
+  // Entries in [0, 256): byte shuffles of the entries' low bytes (both
+  // 128-bit lanes hold the same 16), a blend on bit 4 and the low byte kept.
+  const __m256i i = (__m256i)index;
+  const __m256i lo = _mm256_shuffle_epi8(t.bytes[0], i);
+  const __m256i hi = _mm256_shuffle_epi8(t.bytes[1], i);
+  const __m256i r = _mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(i, _mm256_set1_epi32(15)));
+  return (VI)_mm256_and_si256(r, _mm256_set1_epi32(0xFF));
+}
+#else
+inline VF Lookup(const Table& t, VI index) { return __builtin_shuffle(t.part[0], index); }
+inline VI Lookup(const IntTable32& t, VI index) {
+  return __builtin_shuffle(t.part[0], t.part[1], index);
+}
+#endif
+
+// a * b + c rounded once, as XLA's CPU backend contracts a multiply feeding an
+// add (LLVM fuses the add's first operand when both are products). GCC
+// vectorizes these into FMA instructions in the ISA paths that have them.
+inline float MulAdd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline VF MulAddV(VF a, VF b, VF c) {
+  // By intrinsics: GCC's vectorizing of a lane loop (the baseline's way) is
+  // fragile and falls back to scalar code in some callers.
+#if OPTAX4BIT_ROWS_AVX512
+  return (VF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  float x[kLanes], y[kLanes], z[kLanes];
+  std::memcpy(x, &a, sizeof(x));
+  std::memcpy(y, &b, sizeof(y));
+  std::memcpy(z, &c, sizeof(z));
+  for (int k = 0; k < kLanes; ++k) x[k] = __builtin_fmaf(x[k], y[k], z[k]);
+  return LoadV(x);
+#endif
+}
+
+// |x| as bits, 0 where x is not finite, lane by lane: non-negative floats
+// order like their bits.
+inline VU FiniteAbsBits(VF x) {
+  const VU u = (VU)x & 0x7fffffffu;
+  return u < 0x7f800000u ? u : 0u;
+}
+
+inline VU MaxV(VU a, VU b) { return a > b ? a : b; }
+
+inline uint32_t HorizontalMax(VU x) {
+  uint32_t r = 0;
+  for (int k = 0; k < kLanes; ++k) r = x[k] > r ? x[k] : r;
+  return r;
+}
