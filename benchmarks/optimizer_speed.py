@@ -196,15 +196,24 @@ def main(argv=None):
       run[1], run[2] = p, s
   medians = {name: float(np.median(run[3])) for name, run in runs.items()}
   base = medians.get("optax.adamw")
+  # The median over rounds of each round's time over optax.adamw's in the same
+  # round: drift of the machine's speed (a shared VM) cancels in the pair.
+  paired = ({name: np.quantile(np.array(run[3]) / np.array(runs["optax.adamw"][3]),
+                               [0.25, 0.5, 0.75]) for name, run in runs.items()}
+            if base else {})
   # With in-step gradients every step pays for them: the time over the
   # cheapest update (optax.sgd) isolates what the optimizer adds.
   sgd = medians.get("optax.sgd")
   over = args.step == "train" and sgd is not None and base is not None and base > sgd
-  print("| optimizer | median ms/step | ratio to optax.adamw |"
+  print("| optimizer | median ms/step | ratio to optax.adamw | paired ratio (quartiles) |"
         + (" ms over optax.sgd | ratio of ms over optax.sgd |" if over else ""))
-  print("|---|---|---|" + ("---|---|" if over else ""))
+  print("|---|---|---|---|" + ("---|---|" if over else ""))
   for name, median in medians.items():
-    row = f"| {name} | {median * 1e3:.1f} | {median / base:.2f} |" if base else f"| {name} | {median * 1e3:.1f} | - |"
+    if base:
+      low, mid, high = paired[name]
+      row = f"| {name} | {median * 1e3:.1f} | {median / base:.2f} | {mid:.2f} ({low:.2f}-{high:.2f}) |"
+    else:
+      row = f"| {name} | {median * 1e3:.1f} | - | - |"
     if over:
       row += f" {(median - sgd) * 1e3:.1f} | {(median - sgd) / (base - sgd):.2f} |"
     print(row)

@@ -133,10 +133,12 @@ def adamw_4bit(
   """AdamW with 4-bit moments (the paper's "4-bit AdamW"): a drop-in for
   ``optax.adamw``.
 
-  The first moment is stored ``B128/DE`` (block-wise, dynamic exponent), the
-  second ``Rank-1/Linear`` (rank-1 normalization, a linear map without zero):
-  about 1 byte per parameter instead of 8. Weight decay is decoupled and
-  applied exactly as in ``optax.adamw``:
+  About 1 byte per parameter instead of 8. With the default recipe the first
+  moment is stored ``B128/NF`` (block-wise normal-float, stochastic rounding),
+  the second ``Rank-1/SqrtDE-0`` (rank-1 normalization of ``sqrt(v)``);
+  ``recipe="paper"`` gives the paper's ``B128/DE`` and ``Rank-1/Linear`` (see
+  `optax4bit.recipes`). Weight decay is decoupled and applied exactly as in
+  ``optax.adamw``:
   ``chain(scale_by_adam_4bit, add_decayed_weights(weight_decay, mask),
   scale_by_learning_rate(learning_rate))``.
 
