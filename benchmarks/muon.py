@@ -8,7 +8,8 @@ Two problems, paired (same init and data order per seed):
   momentum (4-bit and 8-bit);
 * why: the momentum of fp32 Muon at steps 50 and 199 (lr 1e-2, seed 0),
   quantized by each quantizer: relative error and the error of the
-  Newton-Schulz output against fp32's;
+  Newton-Schulz output against fp32's; and how much white noise on its
+  momentum fp32 Muon tolerates (an idealized quantizer's error);
 * the byte-level transformer LM of benchmarks/quality.py's ablation
   configuration (examples/compare.py defaults): validation loss and state
   bytes, Muon's rate for the matrices, a tenth of it for Adam's part.
@@ -16,6 +17,7 @@ Two problems, paired (same init and data order per seed):
     python benchmarks/muon.py            # both
     python benchmarks/muon.py --quick    # fewer seeds and steps
     python benchmarks/muon.py --skip-lm  # least squares only
+    python benchmarks/muon.py --noise-only  # the noise-tolerance table alone
 """
 
 from __future__ import annotations
@@ -146,6 +148,47 @@ def accumulated_error_table(lr: float = 1e-2, steps=(50, 199)) -> str:
   return "\n".join(rows)
 
 
+def with_momentum_noise(tx: optax.GradientTransformation, relative: float, seed: int = 7):
+  """``tx`` (a Muon) whose stored momentum of every 256x256 leaf gets white
+  Gaussian noise of ``relative * |m|_F`` after each step: an idealized
+  quantizer with that relative error, independent of the momentum."""
+  def init_fn(params):
+    return tx.init(params), jax.random.key(seed)
+
+  def update_fn(updates, state, params=None):
+    inner, key = state
+    updates, inner = tx.update(updates, inner, params)
+    key, step_key = jax.random.split(key)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(inner)
+    noisy = []
+    for i, (path, x) in enumerate(leaves):
+      if "mu" in jax.tree_util.keystr(path) and getattr(x, "shape", ()) == (256, 256):
+        noise = jax.random.normal(jax.random.fold_in(step_key, i), x.shape)
+        x = x + relative * jnp.linalg.norm(x) / np.sqrt(x.size) * noise
+      noisy.append(x)
+    return updates, (treedef.unflatten(noisy), key)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def noise_tolerance_table(seeds: list, lrs: list,
+                          levels=(0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2)) -> str:
+  """Loss ratio to fp32 Muon when its momentum carries white noise of each
+  relative size every step: the error a momentum quantizer may make."""
+  rows = ["| lr | " + " | ".join(f"{100 * r:g}% noise" for r in levels) + " |",
+          "|---" * (1 + len(levels)) + "|"]
+  for lr in lrs:
+    fp32 = np.array([least_squares(optax.contrib.muon(lr), s) for s in seeds])
+    cells = []
+    for r in levels:
+      ratio = np.array([least_squares(with_momentum_noise(optax.contrib.muon(lr), r), s)
+                        for s in seeds]) / fp32
+      cells.append(f"{ratio.mean():.2f} [{ratio.min():.2f}, {ratio.max():.2f}]")
+    rows.append(f"| {lr:g} | " + " | ".join(cells) + " |")
+    print(rows[-1], flush=True)
+  return "\n".join(rows)
+
+
 def lm_table(seeds: list, steps: int, lr: float) -> str:
   settings = dataclasses.replace(compare.DEFAULTS, steps=steps)
   train, val, _ = C.load_stdlib_corpus()
@@ -173,14 +216,20 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--skip-lm", action="store_true")
+  parser.add_argument("--noise-only", action="store_true")
   args = parser.parse_args(argv)
   seeds = [0, 1] if args.quick else [0, 1, 2]
   print(f"jax {jax.__version__}, optax {optax.__version__}, {os.cpu_count()} CPUs")
+  if args.noise_only:
+    print(noise_tolerance_table(seeds, [1e-2, 3e-2]))
+    return
   print(least_squares_table(seeds, [1e-2, 2e-2, 3e-2, 1e-1]))
   print("Nesterov off (fp32 Muon also without):")
   print(least_squares_table(seeds, [1e-2, 2e-2], nesterov=False))
   print(newton_schulz_error_table())
   print(accumulated_error_table())
+  print("White noise on fp32 Muon's momentum:")
+  print(noise_tolerance_table(seeds, [1e-2, 3e-2]))
   if not args.skip_lm:
     print(lm_table(seeds[:2], 300 if args.quick else 600, lr=2e-2))
 
