@@ -23,6 +23,7 @@ what is jitted:
 
     python benchmarks/optimizer_speed.py                 # SPEC tree: 4 x 2048x2048
     python benchmarks/optimizer_speed.py --tree gpt124m  # GPT-like, 124M params
+    python benchmarks/optimizer_speed.py --tree spec-stacked  # the same as one (4, 2048, 2048) leaf
     python benchmarks/optimizer_speed.py --step train    # gradients made in the step
     python benchmarks/optimizer_speed.py --optimizers optax.adamw "adamw_4bit (cpu)" \
         --cpu-isas avx512 avx2 baseline     # the C++ kernel's ISA paths side by side
@@ -106,6 +107,8 @@ OPTIMIZERS = {
 def make_tree(name: str) -> dict:
   if name == "spec":
     shapes = {f"w{i}": (2048, 2048) for i in range(4)}
+  elif name == "spec-stacked":  # the same, stacked into one leaf as for jax.lax.scan
+    shapes = {"w": (4, 2048, 2048)}
   else:
     shapes = {"/".join(map(str, path)): leaf.shape for path, leaf in
               jax.tree_util.tree_flatten_with_path(gpt_params(**CONFIGS["124M"]))[0]}
@@ -115,7 +118,7 @@ def make_tree(name: str) -> dict:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tree", default="spec", choices=["spec", "gpt124m"])
+  parser.add_argument("--tree", default="spec", choices=["spec", "spec-stacked", "gpt124m"])
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
   parser.add_argument("--cpu-isas", nargs="*", default=[], choices=["avx512", "avx2", "baseline"],

@@ -339,8 +339,8 @@ def test_kernel_bitwise_bf16_and_chunked(recipe):
 def _sharded_check() -> dict:
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   mesh = jax.make_mesh((4, 2), ("x", "y"))
-  shapes = {"w": (8, 512), "c": (6, 256)}
-  specs = {"w": P("x", "y"), "c": P(None, "y")}
+  shapes = {"w": (8, 512), "c": (6, 256), "t": (4, 6, 256)}  # "t": layers stacked
+  specs = {"w": P("x", "y"), "c": P(None, "y"), "t": P("x", None, "y")}
   rng = np.random.RandomState(0)
   params = {k: jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32),
                               NamedSharding(mesh, specs[k])) for k, s in shapes.items()}
@@ -382,6 +382,49 @@ def test_kernel_sharded_matches_jnp():
   same_nan = result.pop("same_nan")
   assert_close({k: result[k] for k in ("code_fraction", "code_level", "scale_ulps")},
                {"update_ulps": result["update_ulps"], "same_nan": same_nan})
+
+
+# Leaves of more than two axes (layers stacked for jax.lax.scan), run as the
+# 2-D view of their rows: a one-row leaf, a 4-D leaf, one whose rank-1 scales
+# meet a zeroed leading slice (its row scales 0 there).
+STACKED_SHAPES = {"a": (3, 40, 256), "b": (2, 3, 4, 512), "c": (1, 1, 256), "z": (5, 7, 512)}
+
+
+def _stacked_grads(params, step):
+  grads = _grads(params, step)
+  if step == 2:
+    grads["a"] = grads["a"].at[1, 5, 7].set(jnp.nan).at[0, 9, 1].set(jnp.inf)
+  if step == 3:
+    grads["z"] = grads["z"].at[2].set(0.0)
+    grads["b"] = grads["b"].at[:, 1].set(0.0).at[0, 0, 0, 0].set(1e30)
+  return grads
+
+
+@needs_kernel
+@pytest.mark.parametrize("optimizer", ["default", "paper, nesterov", "adamw_8bit", "sgdm_4bit"])
+def test_kernel_bitwise_matches_jnp_on_stacked_leaves(optimizer):
+  """Every quantized moment, scale and update bitwise equal to the jnp path's
+  on every ISA path this CPU runs; the kernel runs every leaf."""
+  make, target = {
+      "default": (lambda i: optax4bit.adamw_4bit(1e-3, min_quantize_size=0, implementation=i),
+                  "adam_4bit_apply"),
+      "paper, nesterov": (lambda i: optax4bit.adamw_4bit(
+          1e-3, min_quantize_size=0, recipe="paper", nesterov=True, implementation=i),
+                          "adam_4bit_apply"),
+      "adamw_8bit": (lambda i: optax4bit.adamw_8bit(1e-3, min_quantize_size=0, implementation=i),
+                     "adam_8bit_apply"),
+      "sgdm_4bit": (lambda i: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0, implementation=i),
+                    "first_moment_apply"),
+  }[optimizer]
+  params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
+            for i, (k, s) in enumerate(STACKED_SHAPES.items())}
+  txs = [make(impl) for impl in ("jnp", "cpu")]
+  assert _lowered_text(txs[1], params).count(f"optax4bit_{target}") == len(params)
+  for name, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
+      txs, params, (_stacked_grads(params, step) for step in range(4))):
+    for k in params:
+      np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
+    assert_states_bitwise(s_ref, s_cpu)
 
 
 # 8-bit Adam (adamw_8bit): both moments B256/DE, one kernel call per leaf.
@@ -589,13 +632,16 @@ def test_first_moment_kernels_decline_what_they_do_not_cover():
     assert run(g, trace((4, 256), stochastic), (key,)) is not None
     assert run(g, trace((4, 256), stochastic)) is None  # no key: the jnp path raises
     assert run(jnp.ones((4, 130)), trace((4, 130))) is None
-    assert run(jnp.ones((2, 4, 256)), trace((2, 4, 256))) is None
     assert run(g, jnp.zeros((4, 256))) is None  # kept in float32
     for spec in ("B64/DE", "B2048/DE", "Tensor/DE"):
       assert run(g, trace((4, 256), spec)) is None
     eight_bit = optax4bit.QuantSpec("block", "DE", 8, signed=True, block_size=128)
     assert run(g, trace((4, 256), eight_bit)) is None
   assert momentum(jnp.ones((512,)), trace((512,))) is None
+  # Stacked leaves run as their rows; the factors of a stacked leaf differ per
+  # leading index, which the factored kernel does not take.
+  assert momentum(jnp.ones((2, 4, 256)), trace((2, 4, 256))) is not None
+  assert factored(jnp.ones((2, 4, 256)), trace((2, 4, 256))) is None
 
 
 @needs_kernel
@@ -616,8 +662,8 @@ def _sharded_first_moment_check() -> dict:
   bitwise against the jnp path (which also runs per shard)."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   mesh = jax.make_mesh((4, 2), ("x", "y"))
-  shapes = {"w": (8, 512), "c": (6, 256)}
-  specs = {"w": P("x", "y"), "c": P(None, "y")}
+  shapes = {"w": (8, 512), "c": (6, 256), "t": (4, 6, 256)}  # "t": layers stacked
+  specs = {"w": P("x", "y"), "c": P(None, "y"), "t": P("x", None, "y")}
   rng = np.random.RandomState(0)
   params = {k: jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.float32),
                               NamedSharding(mesh, specs[k])) for k, s in shapes.items()}

@@ -1,5 +1,5 @@
-// Fused XLA CPU step of 4-bit Adam for one 2-D leaf whose last axis is a
-// multiple of 128, for both of optax4bit's recipes (optax4bit/recipes.py) and
+// Fused XLA CPU step of 4-bit Adam for one leaf of two axes or more (run as
+// its rows: the leading axes' product) whose last axis is a multiple of 128, for both of optax4bit's recipes (optax4bit/recipes.py) and
 // any pairing of their quantizers:
 //   first moment  B128/DE or B128/NF (signed, 128-element blocks of the last
 //                 axis), rounded to the nearest entry or stochastically;
@@ -297,16 +297,25 @@ void SplitEvenOdd(int64_t h, const float* x, std::vector<float>& even, std::vect
   }
 }
 
+// A leaf of two axes or more runs as its rows: rows is the product of the
+// leading axes, d the last axis, a multiple of `multiple`. False otherwise.
+template <typename Dims>
+bool RowsOf(const Dims& dims, int64_t multiple, int64_t& rows, int64_t& d) {
+  if (dims.size() < 2 || dims[dims.size() - 1] % multiple != 0) return false;
+  rows = 1;
+  for (size_t k = 0; k + 1 < dims.size(); ++k) rows *= dims[k];
+  d = dims[dims.size() - 1];
+  return true;
+}
+
 // Checks shared by both calls; sets the rows and the row length d.
 ffi::Error LeafGeometry(const ffi::Buffer<ffi::F32>& grad, const ffi::Buffer<ffi::U8>& v_codes,
                         const ffi::Buffer<ffi::F32>& v_rows, const ffi::Buffer<ffi::F32>& v_cols,
                         const ffi::Buffer<ffi::F32>& coef, int64_t& rows, int64_t& d) {
-  const auto dims = grad.dimensions();
-  if (dims.size() != 2 || dims[1] % (2 * kBlockBytes) != 0) {
-    return ffi::Error::InvalidArgument("grad must be 2-D with a multiple of 128 columns");
+  if (!RowsOf(grad.dimensions(), 2 * kBlockBytes, rows, d)) {
+    return ffi::Error::InvalidArgument(
+        "grad must have two axes or more, the last a multiple of 128");
   }
-  rows = dims[0];
-  d = dims[1];
   if ((int64_t)v_codes.element_count() != rows * d / 2 ||
       (int64_t)v_rows.element_count() != rows || (int64_t)v_cols.element_count() != d) {
     return ffi::Error::InvalidArgument("second-moment codes or scales do not match grad");

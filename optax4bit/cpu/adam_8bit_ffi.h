@@ -21,11 +21,12 @@ ffi::Error Apply8bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                          ffi::ResultBuffer<ffi::F32> m_scales_out,
                          ffi::ResultBuffer<ffi::U8> v_codes_out,
                          ffi::ResultBuffer<ffi::F32> v_scales_out) {
-  const auto dims = grad.dimensions();
-  if (dims.size() != 2 || dims[1] % kBlock8 != 0) {
-    return ffi::Error::InvalidArgument("grad must be 2-D with a multiple of 256 columns");
+  int64_t rows, d;
+  if (!RowsOf(grad.dimensions(), kBlock8, rows, d)) {
+    return ffi::Error::InvalidArgument(
+        "grad must have two axes or more, the last a multiple of 256");
   }
-  const int64_t rows = dims[0], d = dims[1], blocks = d / kBlock8;
+  const int64_t blocks = d / kBlock8;
   for (const auto* codes : {&m_codes, &v_codes}) {
     if ((int64_t)codes->element_count() != rows * d) {
       return ffi::Error::InvalidArgument("codes do not match grad");

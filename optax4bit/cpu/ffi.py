@@ -6,9 +6,10 @@ extension) registers FFI targets for XLA's CPU backend. Its row kernels
 (``adam_4bit_rows.h``, one set shared by all steps; ``first_moment_rows.h``
 runs them for the steps without a quantized second moment) are compiled per
 ISA path (`isas`); calls run the best one this CPU runs (`isa`) unless
-``OPTAX4BIT_CPU_ISA`` names another. They cover a 2-D leaf whose last axis is
-a multiple of 128, with both recipes of `optax4bit.recipes` and any pairing of
-their quantizers (4 bits):
+``OPTAX4BIT_CPU_ISA`` names another. They cover a leaf of two axes or more
+(e.g. layers stacked for ``jax.lax.scan``: the rows are the product of the
+leading axes) whose last axis is a multiple of 128, with both recipes of
+`optax4bit.recipes` and any pairing of their quantizers (4 bits):
 
 * first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
   stochastically (the default recipe: ``B128/NF``, stochastic);
@@ -31,12 +32,12 @@ The steps whose only quantized moment is the first are one call,
 alone: heavy-ball momentum (`CpuSteps.momentum`, ``sgdm_4bit``) and Adam with
 a factored second moment (`CpuSteps.factored`, ``adamw_4bit_factor``; the
 factors, updated by the jnp code of `optax4bit.transform`, come in as
-inputs).
+inputs; 2-D leaves only).
 
 It also covers `optax4bit.adamw_8bit`: both moments ``B256/DE`` with 8 bits
-(the second also ``B256/DE-0``), nearest rounding, on a 2-D leaf whose last
-axis is a multiple of 256. Block scales need no statistics of the whole leaf:
-one call (``apply_8bit``) per leaf. Its nearest rounding looks each code up
+(the second also ``B256/DE-0``), nearest rounding, on a leaf of two axes or
+more whose last axis is a multiple of 256. Block scales need no statistics of
+the whole leaf: one call (``apply_8bit``) per leaf. Its nearest rounding looks each code up
 in a table of buckets of the normalized value (`_buckets`) instead of the
 jnp path's binary search over 255 thresholds; the codes are the same.
 
@@ -56,6 +57,7 @@ import functools
 import importlib.machinery
 import importlib.metadata
 import logging
+import math
 import os
 from typing import Optional
 
@@ -289,13 +291,40 @@ def unavailable_reason() -> Optional[str]:
 
 def _covers_grad(grad) -> bool:
   shape = tuple(grad.shape)
-  return (len(shape) == 2 and shape[0] > 0 and shape[1] % 128 == 0
+  return (len(shape) >= 2 and math.prod(shape[:-1]) > 0 and shape[-1] % 128 == 0
           and jnp.issubdtype(grad.dtype, jnp.floating))
 
 
+# Leaves of more than two axes (e.g. layers stacked for jax.lax.scan) run as
+# their rows: the kernels take the product of the leading axes as the rows
+# (codes and block scales are laid out by rows already; reshaping a donated
+# gradient instead would make XLA copy it). Their rank-1 scales are one vector
+# per axis; a row's scale is the minimum of its leading axes' entries (exactly
+# the jnp path's: min is associative, and 4 / min(a, b) = max(4 / a, 4 / b)
+# where both are positive; where one is 0 the row holds only zeros and
+# non-finite values, which encode alike under either).
+def _rank1_row_scales(scales: tuple, rows: int) -> tuple:
+  """``(row, col)`` scales of a leaf's rows from its per-axis rank-1 scales."""
+  row = functools.reduce(jnp.minimum, scales[:-1])
+  return row.reshape(rows, 1), scales[-1].reshape(1, -1)
+
+
+def _rank1_axis_maxima(row_max, col_max, shape: tuple) -> tuple:
+  """Per-axis maxima of a leaf of ``shape`` from its rows' and columns'."""
+  if len(shape) == 2:
+    return row_max, col_max
+  lead = row_max.reshape(shape[:-1])
+  axes = tuple(
+      jnp.max(lead, axis=tuple(k for k in range(len(shape) - 1) if k != axis),
+              keepdims=True)[..., None]
+      for axis in range(len(shape) - 1))
+  return axes + (col_max.reshape((1,) * (len(shape) - 1) + (-1,)),)
+
+
 def covers(grad, moments) -> bool:
-  """Whether the Adam kernel computes this leaf: a 2-D floating-point leaf
-  with at least one row and moments quantized
+  """Whether the Adam kernel computes this leaf: a floating-point leaf of two
+  axes or more (run as its rows, see `_rank1_row_scales`) with at least one
+  row and moments quantized
 
   * with 4 bits as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic
     rounding) and ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest
@@ -309,7 +338,7 @@ def covers(grad, moments) -> bool:
   if not _covers_grad(grad):
     return False
   if m.spec in _FIRST_MOMENTS_8BIT and v.spec in _SECOND_MOMENTS_8BIT:
-    return grad.shape[1] % 256 == 0
+    return grad.shape[-1] % 256 == 0
   return m.spec in _FIRST_MOMENTS and v.spec in _SECOND_MOMENTS
 
 
@@ -397,11 +426,14 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
   m, v = moments
   seeds = _seeds(moments, keys)
   g = grad.astype(jnp.float32)
-  new_scales = _stats_call(g, m, v, coef)
+  rows = math.prod(g.shape[:-1])
+  v_rows = QuantizedArray(v.codes, _rank1_row_scales(v.scales, rows), v.spec, v.shape, v.dtype)
+  new_scales = _rank1_axis_maxima(*_stats_call(g, m, v_rows, coef), g.shape)
   if reduce_scales is not None:
     new_scales = tuple(reduce_scales(new_scales, normalize.layout_for(v.spec, v.shape)))
-  update, m_codes, block_scales, v_codes = _apply_call(g, m, v, new_scales, coef, nesterov,
-                                                       seeds, _row_bases(g.shape))
+  update, m_codes, block_scales, v_codes = _apply_call(
+      g, m, v_rows, _rank1_row_scales(new_scales, rows), coef, nesterov, seeds,
+      _row_bases(g.shape))
   new_m = QuantizedArray(m_codes, (block_scales,), m.spec, m.shape, m.dtype)
   new_v = QuantizedArray(v_codes, tuple(new_scales), v.spec, v.shape, v.dtype)
   return update.astype(grad.dtype), (new_m, new_v)
@@ -420,6 +452,8 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
   (block_scales,) = m.scales
   g = grad.astype(jnp.float32)
   if step == "factored":
+    if g.ndim != 2:
+      raise ValueError(f"the factored kernel takes 2-D leaves, not {g.shape}.")
     row, col, row_mean = side
     factors = (row.reshape(-1), col.reshape(-1), row_mean.reshape(-1))
   else:
@@ -492,7 +526,10 @@ class CpuSteps:
 
   def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None):
     """``side``: ``(row, col, row_mean)`` of the (already updated) factored
-    second moment, as `optax4bit.transform` computes them."""
+    second moment, as `optax4bit.transform` computes them (2-D leaves only:
+    with more axes the factors differ per leading index)."""
+    if grad.ndim != 2:
+      return None
     return self._first_moment("factored", grad, moment, side,
                               _coefficients(b1, b2, eps, eps_root, count_inc), keys)
 

@@ -33,11 +33,12 @@ ffi::Error FirstMomentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
     return ffi::Error::InvalidArgument("step must be momentum, momentum_nesterov or factored");
   }
   const bool factored = args.step == FirstMomentStep::kFactored;
-  const auto dims = grad.dimensions();
-  if (dims.size() != 2 || dims[1] % (2 * kBlockBytes) != 0) {
-    return ffi::Error::InvalidArgument("grad must be 2-D with a multiple of 128 columns");
+  int64_t rows, d;
+  if (!RowsOf(grad.dimensions(), 2 * kBlockBytes, rows, d)) {
+    return ffi::Error::InvalidArgument(
+        "grad must have two axes or more, the last a multiple of 128");
   }
-  const int64_t rows = dims[0], d = dims[1], h = d / 2, blocks = h / kBlockBytes;
+  const int64_t h = d / 2, blocks = h / kBlockBytes;
   if ((int64_t)m_codes.element_count() != rows * h ||
       (int64_t)m_scales.element_count() != rows * blocks) {
     return ffi::Error::InvalidArgument("first-moment codes or scales do not match grad");
