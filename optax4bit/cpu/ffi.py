@@ -299,13 +299,22 @@ def _covers_grad(grad) -> bool:
 # their rows: the kernels take the product of the leading axes as the rows
 # (codes and block scales are laid out by rows already; reshaping a donated
 # gradient instead would make XLA copy it). Their rank-1 scales are one vector
-# per axis; a row's scale is the minimum of its leading axes' entries (exactly
-# the jnp path's: min is associative, and 4 / min(a, b) = max(4 / a, 4 / b)
-# where both are positive; where one is 0 the row holds only zeros and
-# non-finite values, which encode alike under either).
-def _rank1_row_scales(scales: tuple, rows: int) -> tuple:
-  """``(row, col)`` scales of a leaf's rows from its per-axis rank-1 scales."""
-  row = functools.reduce(jnp.minimum, scales[:-1])
+# per axis, where the kernels take a row scale and a column scale.
+def _rank1_row_scales(scales: tuple, rows: int, encode: bool = False) -> tuple:
+  """``(row, col)`` scales of a leaf's rows from its per-axis rank-1 scales.
+
+  To decode, a row's scale is the minimum of its leading axes' entries (min
+  is associative: the jnp path's scale). To encode, the jnp path multiplies
+  by the largest of the axes' ``normalize.inverse_times_4``, which is 0 for a
+  0 scale: the minimum of the positive entries (0 if none) has that inverse.
+  """
+  leading = scales[:-1]
+  if len(leading) > 1 and encode:
+    positive = [jnp.where(s > 0, s, jnp.inf) for s in leading]
+    row = functools.reduce(jnp.minimum, positive)
+    row = jnp.where(row < jnp.inf, row, 0.0)
+  else:
+    row = functools.reduce(jnp.minimum, leading)
   return row.reshape(rows, 1), scales[-1].reshape(1, -1)
 
 
@@ -432,7 +441,7 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
   if reduce_scales is not None:
     new_scales = tuple(reduce_scales(new_scales, normalize.layout_for(v.spec, v.shape)))
   update, m_codes, block_scales, v_codes = _apply_call(
-      g, m, v_rows, _rank1_row_scales(new_scales, rows), coef, nesterov, seeds,
+      g, m, v_rows, _rank1_row_scales(new_scales, rows, encode=True), coef, nesterov, seeds,
       _row_bases(g.shape))
   new_m = QuantizedArray(m_codes, (block_scales,), m.spec, m.shape, m.dtype)
   new_v = QuantizedArray(v_codes, tuple(new_scales), v.spec, v.shape, v.dtype)
