@@ -403,7 +403,8 @@ def _stacked_grads(params, step):
 
 
 @needs_kernel
-@pytest.mark.parametrize("optimizer", ["default", "paper, nesterov", "adamw_8bit", "sgdm_4bit"])
+@pytest.mark.parametrize("optimizer", ["default", "paper, nesterov", "adamw_8bit", "sgdm_4bit",
+                                       "adamw_4bit_factor"])
 def test_kernel_bitwise_matches_jnp_on_stacked_leaves(optimizer):
   """Every quantized moment, scale and update bitwise equal to the jnp path's
   on every ISA path this CPU runs; the kernel runs every leaf."""
@@ -417,6 +418,8 @@ def test_kernel_bitwise_matches_jnp_on_stacked_leaves(optimizer):
                      "adam_8bit_apply"),
       "sgdm_4bit": (lambda i: optax4bit.sgdm_4bit(1e-3, min_quantize_size=0, implementation=i),
                     "first_moment_apply"),
+      "adamw_4bit_factor": (lambda i: optax4bit.adamw_4bit_factor(
+          1e-3, min_quantize_size=0, implementation=i), "first_moment_apply"),
   }[optimizer]
   params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
             for i, (k, s) in enumerate(STACKED_SHAPES.items())}
@@ -640,10 +643,9 @@ def test_first_moment_kernels_decline_what_they_do_not_cover():
     eight_bit = optax4bit.QuantSpec("block", "DE", 8, signed=True, block_size=128)
     assert run(g, trace((4, 256), eight_bit)) is None
   assert momentum(jnp.ones((512,)), trace((512,))) is None
-  # Stacked leaves run as their rows; the factors of a stacked leaf differ per
-  # leading index, which the factored kernel does not take.
+  # Stacked leaves run as their rows (the factored step per leading index).
   assert momentum(jnp.ones((2, 4, 256)), trace((2, 4, 256))) is not None
-  assert factored(jnp.ones((2, 4, 256)), trace((2, 4, 256))) is None
+  assert factored(jnp.ones((2, 4, 256)), trace((2, 4, 256))) is not None
 
 
 @needs_kernel

@@ -32,7 +32,7 @@ The steps whose only quantized moment is the first are one call,
 alone: heavy-ball momentum (`CpuSteps.momentum`, ``sgdm_4bit``) and Adam with
 a factored second moment (`CpuSteps.factored`, ``adamw_4bit_factor``; the
 factors, updated by the jnp code of `optax4bit.transform`, come in as
-inputs; 2-D leaves only).
+inputs, per slice of a leaf of more than two axes).
 
 It also covers `optax4bit.adamw_8bit`: both moments ``B256/DE`` with 8 bits
 (the second also ``B256/DE-0``), nearest rounding, on a leaf of two axes or
@@ -460,9 +460,7 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
   """
   (block_scales,) = m.scales
   g = grad.astype(jnp.float32)
-  if step == "factored":
-    if g.ndim != 2:
-      raise ValueError(f"the factored kernel takes 2-D leaves, not {g.shape}.")
+  if step == "factored":  # per slice (leading index) of a leaf of more than two axes
     row, col, row_mean = side
     factors = (row.reshape(-1), col.reshape(-1), row_mean.reshape(-1))
   else:
@@ -535,10 +533,7 @@ class CpuSteps:
 
   def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None):
     """``side``: ``(row, col, row_mean)`` of the (already updated) factored
-    second moment, as `optax4bit.transform` computes them (2-D leaves only:
-    with more axes the factors differ per leading index)."""
-    if grad.ndim != 2:
-      return None
+    second moment, as `optax4bit.transform` computes them."""
     return self._first_moment("factored", grad, moment, side,
                               _coefficients(b1, b2, eps, eps_root, count_inc), keys)
 

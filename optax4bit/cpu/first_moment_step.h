@@ -10,9 +10,10 @@ namespace {
 // call: rows are independent. step: "momentum" and "momentum_nesterov"
 // (optax4bit._steps.momentum_step; coef: the momentum) or "factored"
 // (optax4bit._steps.factored_step; coef: the 12 Adam coefficients,
-// factor_rows (rows,), factor_cols (d,) and factor_mean (1,): the factored
-// second moment's row and column factors and the mean of the row factor;
-// empty for the momentum steps).
+// factor_rows (rows,), factor_cols (slices * d,) and factor_mean (slices,):
+// the factored second moment's row and column factors and the mean of the row
+// factor, per slice (leading index) of a leaf of more than two axes; empty
+// for the momentum steps).
 ffi::Error FirstMomentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                            ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
                            ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::F32> tables,
@@ -53,9 +54,12 @@ ffi::Error FirstMomentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   if (seed.element_count() != 1 || (int64_t)row_bases.element_count() != rows) {
     return ffi::Error::InvalidArgument("seed must hold one uint32, row_bases one per row");
   }
-  if (factored && ((int64_t)factor_rows.element_count() != rows ||
-                   (int64_t)factor_cols.element_count() != d ||
-                   factor_mean.element_count() != 1)) {
+  // A leaf of more than two axes has factors per leading index (slice) of
+  // its last two axes: factor_mean holds one mean per slice.
+  const int64_t slices = factored ? (int64_t)factor_mean.element_count() : 1;
+  if (factored && (slices < 1 || rows % slices != 0 ||
+                   (int64_t)factor_rows.element_count() != rows ||
+                   (int64_t)factor_cols.element_count() != slices * d)) {
     return ffi::Error::InvalidArgument("factors do not match grad");
   }
   FlushDenormals flush;  // also for the reciprocal of the mean below
@@ -74,20 +78,35 @@ ffi::Error FirstMomentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.col_even = args.col_odd = nullptr;
   args.factor_positive = false;
   args.factor_inverse = 0.0f;
-  if (factored) {
-    SplitEvenOdd(h, factor_cols.typed_data(), col_even, col_odd);
-    const float mean = factor_mean.typed_data()[0];
-    args.factor_rows = factor_rows.typed_data();
-    args.col_even = col_even.data();
-    args.col_odd = col_odd.data();
-    args.factor_positive = mean > 0.0f;
-    args.factor_inverse = 1.0f / (args.factor_positive ? mean : 1.0f);
-  }
   args.out = update->typed_data();
   args.m_out = m_codes_out->typed_data();
   args.m_scales_out = m_scales_out->typed_data();
   const IsaPath& isa = *CurrentIsaPath().load();
-  RunRows(pool, rows, d, 3, args, isa.first_moment_rows);
+  if (!factored) {
+    RunRows(pool, rows, d, 3, args, isa.first_moment_rows);
+    return ffi::Error::Success();
+  }
+  // Each slice's rows with its column factor and mean.
+  const int64_t slice_rows = rows / slices;
+  for (int64_t s = 0; s < slices; ++s) {
+    FirstMomentRowsArgs slice = args;
+    const int64_t r0 = s * slice_rows;
+    SplitEvenOdd(h, factor_cols.typed_data() + s * d, col_even, col_odd);
+    const float mean = factor_mean.typed_data()[s];
+    slice.g += r0 * d;
+    slice.m_scales += r0 * blocks;
+    slice.m_codes += r0 * h;
+    slice.row_base += r0;
+    slice.factor_rows = factor_rows.typed_data() + r0;
+    slice.col_even = col_even.data();
+    slice.col_odd = col_odd.data();
+    slice.factor_positive = mean > 0.0f;
+    slice.factor_inverse = 1.0f / (slice.factor_positive ? mean : 1.0f);
+    slice.out += r0 * d;
+    slice.m_out += r0 * h;
+    slice.m_scales_out += r0 * blocks;
+    RunRows(pool, slice_rows, d, 3, slice, isa.first_moment_rows);
+  }
   return ffi::Error::Success();
 }
 
@@ -104,8 +123,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitFirstMomentApply, FirstMomentImpl,
                                   .Arg<ffi::Buffer<ffi::U32>>()  // rounding seed (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // row hash bases (rows,)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // row factor (rows,) or (0,)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // column factor (d,) or (0,)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // row factor mean (1,) or (0,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // column factors (slices * d,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // row factor means (slices,)
                                   .Attr<std::string_view>("step")
                                   .Attr<bool>("m_stochastic")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // update (aliases grad)
