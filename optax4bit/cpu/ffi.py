@@ -37,9 +37,10 @@ inputs, per slice of a leaf of more than two axes).
 It also covers `optax4bit.adamw_8bit`: both moments ``B256/DE`` with 8 bits
 (the second also ``B256/DE-0``), nearest rounding, on a leaf of two axes or
 more whose last axis is a multiple of 256. Block scales need no statistics of
-the whole leaf: one call (``apply_8bit``) per leaf. Its nearest rounding looks each code up
-in a table of buckets of the normalized value (`_buckets`) instead of the
-jnp path's binary search over 255 thresholds; the codes are the same.
+the whole leaf: one call (``apply_8bit``) per leaf. Its nearest rounding looks
+each code up in a table of buckets of the normalized value (`_buckets`)
+instead of the jnp path's binary search over 255 thresholds; the codes are
+the same.
 
 It computes what the jnp reference computes, in the form XLA's CPU backend
 compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
