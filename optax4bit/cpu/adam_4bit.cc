@@ -1,6 +1,7 @@
 // Fused XLA CPU step of 4-bit Adam for one leaf of two axes or more (run as
-// its rows: the leading axes' product) whose last axis is a multiple of 128, for both of optax4bit's recipes (optax4bit/recipes.py) and
-// any pairing of their quantizers:
+// its rows: the leading axes' product) whose last axis is a multiple of 128,
+// for both of optax4bit's recipes (optax4bit/recipes.py) and any pairing of
+// their quantizers:
 //   first moment  B128/DE or B128/NF (signed, 128-element blocks of the last
 //                 axis), rounded to the nearest entry or stochastically;
 //   second moment Rank-1/Linear or Rank-1/SqrtDE-0 (unsigned, scales
