@@ -310,25 +310,20 @@ def _rank1_row_scales(scales: tuple, rows: int, encode: bool = False) -> tuple:
   0 scale: the minimum of the positive entries (0 if none) has that inverse.
   """
   leading = scales[:-1]
-  if len(leading) > 1 and encode:
-    positive = [jnp.where(s > 0, s, jnp.inf) for s in leading]
-    row = functools.reduce(jnp.minimum, positive)
+  if encode:
+    row = functools.reduce(jnp.minimum, [jnp.where(s > 0, s, jnp.inf) for s in leading])
     row = jnp.where(row < jnp.inf, row, 0.0)
   else:
     row = functools.reduce(jnp.minimum, leading)
   return row.reshape(rows, 1), scales[-1].reshape(1, -1)
 
 
-def _rank1_axis_maxima(row_max, col_max, shape: tuple) -> tuple:
-  """Per-axis maxima of a leaf of ``shape`` from its rows' and columns'."""
-  if len(shape) == 2:
-    return row_max, col_max
-  lead = row_max.reshape(shape[:-1])
-  axes = tuple(
-      jnp.max(lead, axis=tuple(k for k in range(len(shape) - 1) if k != axis),
-              keepdims=True)[..., None]
-      for axis in range(len(shape) - 1))
-  return axes + (col_max.reshape((1,) * (len(shape) - 1) + (-1,)),)
+def _rank1_axis_maxima(row_max, col_max, layout: normalize.Layout, shape: tuple) -> tuple:
+  """Per-axis rank-1 maxima of a leaf of ``shape`` from its rows' and
+  columns' maxima: the leading axes' by `normalize.compute_scales` over the
+  row maxima (a maximum of maxima is exact)."""
+  leading = normalize.compute_scales(row_max.reshape(shape[:-1] + (1,)), layout)[:-1]
+  return leading + (col_max.reshape((1,) * (len(shape) - 1) + (-1,)),)
 
 
 def covers(grad, moments) -> bool:
@@ -438,9 +433,10 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
   g = grad.astype(jnp.float32)
   rows = math.prod(g.shape[:-1])
   v_rows = QuantizedArray(v.codes, _rank1_row_scales(v.scales, rows), v.spec, v.shape, v.dtype)
-  new_scales = _rank1_axis_maxima(*_stats_call(g, m, v_rows, coef), g.shape)
+  layout = normalize.layout_for(v.spec, v.shape)
+  new_scales = _rank1_axis_maxima(*_stats_call(g, m, v_rows, coef), layout, g.shape)
   if reduce_scales is not None:
-    new_scales = tuple(reduce_scales(new_scales, normalize.layout_for(v.spec, v.shape)))
+    new_scales = tuple(reduce_scales(new_scales, layout))
   update, m_codes, block_scales, v_codes = _apply_call(
       g, m, v_rows, _rank1_row_scales(new_scales, rows, encode=True), coef, nesterov, seeds,
       _row_bases(g.shape))
