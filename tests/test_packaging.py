@@ -197,7 +197,7 @@ def test_isolated_build_in_a_fresh_venv(tmp_path):
 # The baseline (portable C++) row functions of the kernel, one stats and one
 # apply pass over a 4x256 leaf, both recipes; prints a hash of every output.
 _ROWS_CHECK = r"""
-// One stats pass and one apply pass of the baseline row functions over a 4x256 leaf; prints an
+// One stats pass and one apply pass of the baseline rows (StatsRows, ApplyRows) over a 4x256 leaf; prints an
 // FNV-1a hash of every output (update, codes, scales, maxima) per recipe.
 #include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
 
@@ -235,34 +235,39 @@ int main(int argc, char** argv) {
       m_table[kTableSize + k] = (m_table[k] + m_table[k + 1]) / 2;
       v_table[kTableSize + k] = (v_table[k] + v_table[k + 1]) / 2;
     }
-    const baseline::FirstMomentRounding m_rounding(m_table, m_table + kTableSize, 12345u);
     float v_thresholds4[kTableSize - 1];
     for (int k = 0; k + 1 < kTableSize; ++k) v_thresholds4[k] = 4 * v_table[kTableSize + k];
-    const baseline::Bounds v_thresholds = baseline::MakeBounds(v_thresholds4);
     const float inverse = v_linear ? 16e4f : 4e4f;
     const std::vector<float> col(h, 1e-4f), col_inverse(h, inverse);
-    std::vector<float> m(d), v(d), new_m_scales(rows * blocks), row_max(rows);
-    std::vector<uint32_t> col_max(d);
+    std::vector<float> v(d), scratch(3 * d), new_m_scales(rows * blocks), row_max(rows);
+    std::vector<uint32_t> col_max(d), row_base(rows);
+    for (int64_t i = 0; i < rows; ++i) row_base[i] = (uint32_t)(i * d);
     const Coefficients c{0.9f, 0.1f, 0.999f, 0.001f, 1e-8f, 0.0f, 0.1f,
                          1000.0f, 10.0f, 5.0f, 0.001f, 0.19f};
     FlushDenormals flush;
-    for (int64_t i = 0; i < rows; ++i) {
-      baseline::NewSecondMoment(h, g.data() + i * d, v_codes.data() + i * h, v_rows[i],
-                                col.data(), col.data(), v_table, c.b2, c.one_minus_b2, v.data());
-      baseline::SecondMomentMaxima(h, v.data(), &row_max[i], col_max.data(), col_max.data() + h);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      float* g_row = g.data() + i * d;
-      baseline::NewFirstMoment(h, g_row, m_codes.data() + i * h, m_scales.data() + i * blocks,
-                               m_table, c.b1, c.one_minus_b1, m.data());
-      baseline::NewSecondMoment(h, g_row, v_codes.data() + i * h, v_rows[i], col.data(),
-                                col.data(), v_table, c.b2, c.one_minus_b2, v.data());
-      baseline::Update(h, m.data(), v.data(), c, g_row);
-      baseline::EncodeFirstMoment(m_stochastic, h, m.data(), m_rounding, (uint32_t)(i * d),
-                                  new_m_scales.data() + i * blocks, m_codes.data() + i * h);
-      baseline::EncodeSecondMoment(v_linear, h, v.data(), inverse, col_inverse.data(),
-                                   col_inverse.data(), v_thresholds, v_codes.data() + i * h);
-    }
+    const StatsRowsArgs stats{h, g.data(), v_rows.data(), col.data(), col.data(), v_table,
+                              v_codes.data(), c, row_max.data()};
+    baseline::StatsRows(stats, 0, rows, v.data(), col_max.data());
+    ApplyRowsArgs apply{};
+    apply.h = h;
+    apply.g = apply.out = g.data();
+    apply.m_scales = m_scales.data();
+    apply.m_scales_out = new_m_scales.data();
+    apply.row_scales = apply.new_row_scales = v_rows.data();
+    apply.col_even = apply.col_odd = col.data();
+    apply.inv_col_even = apply.inv_col_odd = col_inverse.data();
+    apply.m_table = m_table;
+    apply.v_table = v_table;
+    apply.v_thresholds4 = v_thresholds4;
+    apply.m_codes = apply.m_out = m_codes.data();
+    apply.v_codes = apply.v_out = v_codes.data();
+    apply.row_base = row_base.data();
+    apply.m_seed = 12345u;
+    apply.inverse_factor = v_linear ? 4.0f : 1.0f;
+    apply.c = c;
+    apply.m_stochastic = m_stochastic;
+    apply.v_linear = v_linear;
+    baseline::ApplyRows(apply, 0, rows, scratch.data());
     uint64_t hash = 1469598103934665603ull;
     hash = Fnv(hash, g.data(), g.size());
     hash = Fnv(hash, m_codes.data(), m_codes.size());

@@ -14,9 +14,11 @@
 // Two FFI calls per leaf:
 //   1. Adam4bitStats: the row and column maxima of the new second moment
 //      (it needs the whole leaf before any element can be encoded);
-//   2. Adam4bitApply: per row, decode both moments, run the float32 Adam step,
-//      write the update over the gradient and re-encode both moments in place.
+//   2. Adam4bitApply: per row, one loop decodes both moments, runs the
+//      float32 Adam step and writes the update over the gradient, a second
+//      re-encodes both moments in place.
 // No float32 moment is stored: a row's moments live in per-thread scratch.
+// The loops that stream a gradient from memory prefetch it 4 KiB ahead.
 // The steps whose only quantized moment is the first, heavy-ball momentum
 // (sgdm_4bit) and Adam with a factored second moment (adamw_4bit_factor,
 // whose float32 factors come in as inputs), are one call,

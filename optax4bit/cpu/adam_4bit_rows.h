@@ -19,6 +19,7 @@ void NewFirstMoment(int64_t h, const float* __restrict g,
     const float s = block_scales[b];
     for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += kLanes) {
       const VI byte = LoadCodes(codes + j);
+      PrefetchAhead(g + 2 * j);
       const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
       const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
       const VF de_even = Lookup(table, byte & 15);
@@ -41,6 +42,7 @@ void NewSecondMoment(int64_t h, const float* __restrict g, const uint8_t* __rest
   const VF row = VF{} + row_scale;
   for (int64_t j = 0; j < h; j += kLanes) {
     const VI byte = LoadCodes(codes + j);
+    PrefetchAhead(g + 2 * j);
     const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
     const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
     const VF ce = LoadV(col_even + j), co = LoadV(col_odd + j);
@@ -136,6 +138,23 @@ void NesterovUpdate(int64_t h, const float* __restrict g, const float* __restric
   const float r = 1.0f / c.c2;
   if (!C2AllowsMarkstein(c.c2) || NesterovUpdateT<false>(h, g, m, v, c, r, out)) {
     NesterovUpdateT<true>(h, g, m, v, c, r, out);
+  }
+}
+
+// UpdateT's (kNesterov: NesterovUpdateT's) update of kLanes elements g, m, v
+// with Markstein's v / c2; unsafe: lanes set where that quotient may not be
+// XLA's (the caller then divides).
+template <bool kNesterov>
+__attribute__((always_inline)) inline VF UpdateV(VF g, VF m, VF v, const Coefficients& c, VF r,
+                                                 VI& unsafe) {
+  const VF q0 = v * r;
+  unsafe |= ~(((q0 >= 0x1p-40f) & (q0 <= 0x1p100f)) | (q0 == 0.0f));
+  const VF v_hat = MulAddV(MulAddV(-q0, VF{} + c.c2, v), r, q0);
+  if constexpr (kNesterov) {
+    return MulAddV(VF{} + c.one_minus_b1, g / c.c1, c.b1 * (m / c.c1_next)) /
+           (SqrtV(v_hat + c.eps_root) + c.eps);
+  } else {
+    return m / (c.c1 * (SqrtV(v_hat + c.eps_root) + c.eps));
   }
 }
 
@@ -278,39 +297,70 @@ struct FirstMomentRounding {
       }
     }
   }
+
+  // The code bytes of kLanes even elements xe and the odd ones xo after them
+  // at half-row offset j of a row whose first element has flat index
+  // row_index (mod 2**32).
+  template <bool kStochastic, bool kFast>
+  __attribute__((always_inline)) VI CodeBytes(VF xe, VF xo, uint32_t row_index, int64_t j) const {
+    const VU even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
+    return Codes<kStochastic, kFast>(xe, even_index) |
+           (Codes<kStochastic, kFast>(xo, even_index + 1) << 4);
+  }
 };
 
-// Block maxima of one row (split even/odd) into block_scales, blocks of
-// kHalfBlock elements of each half, then store(j, xe, xo) for every kLanes
-// elements j of each half, normalized (x * (4 / scale)) * 0.25 with NaN read
-// as 0 (optax4bit.quant.normalize.normalize). Blocks in groups of 16: the
-// maxima, then their reciprocals, then the codes, so that no block waits on
-// its own division.
+// Block maxima of finite |x| of one row (split even/odd) into block_scales,
+// blocks of kHalfBlock elements of each half.
+template <int64_t kHalfBlock>
+__attribute__((always_inline)) inline void BlockMaxima(int64_t h, const float* __restrict x,
+                                                       float* __restrict block_scales) {
+  for (int64_t b = 0; b < h / kHalfBlock; ++b) {
+    const float* xb = x + b * kHalfBlock;
+    VU s = {};
+    for (int64_t j = 0; j < kHalfBlock; j += kLanes) {
+      s = MaxV(s, MaxV(FiniteAbsBits(LoadV(xb + j)), FiniteAbsBits(LoadV(xb + h + j))));
+    }
+    block_scales[b] = FromBits(HorizontalMax(s));
+  }
+}
+
+// store(j, inverse) for every kLanes elements j of each half of a row, with
+// inverse = 4 / the scale of j's block (InverseTimes4): the inverses of 16
+// blocks, then their stores, so that no block waits on its own division.
 template <int64_t kHalfBlock, typename Store>
-__attribute__((always_inline)) inline void ForNormalizedBlocks(
-    int64_t h, const float* __restrict x, float* __restrict block_scales, Store store) {
+__attribute__((always_inline)) inline void ForBlockInverses(int64_t h,
+                                                            const float* block_scales,
+                                                            Store store) {
   constexpr int64_t kGroup = 16;
   const int64_t blocks = h / kHalfBlock;
   for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
     const int64_t n = std::min(kGroup, blocks - b0);
     float inverse[kGroup];
-    for (int64_t b = 0; b < n; ++b) {
-      const float* xb = x + (b0 + b) * kHalfBlock;
-      VU s = {};
-      for (int64_t j = 0; j < kHalfBlock; j += kLanes) {
-        s = MaxV(s, MaxV(FiniteAbsBits(LoadV(xb + j)), FiniteAbsBits(LoadV(xb + h + j))));
-      }
-      block_scales[b0 + b] = FromBits(HorizontalMax(s));
-    }
     for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
     for (int64_t b = 0; b < n; ++b) {
       for (int64_t j = (b0 + b) * kHalfBlock; j < (b0 + b + 1) * kHalfBlock; j += kLanes) {
-        VF xe = (LoadV(x + j) * inverse[b]) * 0.25f;
-        VF xo = (LoadV(x + h + j) * inverse[b]) * 0.25f;
-        store(j, xe == xe ? xe : 0.0f, xo == xo ? xo : 0.0f);
+        store(j, inverse[b]);
       }
     }
   }
+}
+
+// x normalized by its block's inverse: (x * inverse) * 0.25, NaN read as 0
+// (optax4bit.quant.normalize.normalize).
+inline VF Normalized(VF x, float inverse) {
+  x = (x * inverse) * 0.25f;
+  return x == x ? x : 0.0f;
+}
+
+// Block maxima of one row (split even/odd) into block_scales, then
+// store(j, xe, xo) for every kLanes elements j of each half, normalized.
+template <int64_t kHalfBlock, typename Store>
+__attribute__((always_inline)) inline void ForNormalizedBlocks(
+    int64_t h, const float* __restrict x, float* __restrict block_scales, Store store) {
+  BlockMaxima<kHalfBlock>(h, x, block_scales);
+  ForBlockInverses<kHalfBlock>(h, block_scales, [&](int64_t j, float inverse) {
+    store(j, Normalized(LoadV(x + j), inverse), Normalized(LoadV(x + h + j), inverse));
+  });
 }
 
 // B128 codes of one row of m: block maxima, then the codes of the normalized
@@ -323,9 +373,7 @@ __attribute__((always_inline)) inline void EncodeFirstMomentT(
   // A copy the code stores cannot alias: it stays in registers.
   const FirstMomentRounding rounding = shared_rounding;
   ForNormalizedBlocks<kBlockBytes>(h, m, block_scales, [&](int64_t j, VF xe, VF xo) {
-    const VU even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
-    StoreCodes(codes + j, rounding.Codes<kStochastic, kFast>(xe, even_index) |
-                              (rounding.Codes<kStochastic, kFast>(xo, even_index + 1) << 4));
+    StoreCodes(codes + j, rounding.CodeBytes<kStochastic, kFast>(xe, xo, row_index, j));
   });
 }
 
@@ -367,24 +415,30 @@ void RestartOverflowed(int64_t d, const float* __restrict v, float* __restrict m
 // v * inverse4 > 4 t (a NaN y, which n reads as 0, is above none of them,
 // and a y whose quarter is subnormal is below all), so thresholds4 holds 4 t.
 template <bool kLinear>
+__attribute__((always_inline)) inline VI SecondMomentLevels(VF x, VF col_inverse,
+                                                            float row_inverse,
+                                                            const Bounds& thresholds4) {
+  const VF inverse = col_inverse > row_inverse ? col_inverse : row_inverse;
+  if constexpr (kLinear) {
+    VF y = x * inverse - 1.5f;
+    y = y > 0.0f ? y : 0.0f;
+    y = y < 15.0f ? y : 15.0f;
+    const VI t = __builtin_convertvector(y, VI);
+    return t + ((__builtin_convertvector(t, VF) < y) & 1);
+  } else {
+    return CountAbove<false>(thresholds4, x * inverse);
+  }
+}
+
+template <bool kLinear>
 __attribute__((always_inline)) inline void EncodeSecondMomentT(
     int64_t h, const float* __restrict v, float row_inverse, const float* __restrict col_even,
     const float* __restrict col_odd, const Bounds& thresholds4, uint8_t* __restrict codes) {
-  auto levels = [row_inverse, &thresholds4](VF x, VF col_inverse) {
-    const VF inverse = col_inverse > row_inverse ? col_inverse : row_inverse;
-    if constexpr (kLinear) {
-      VF y = x * inverse - 1.5f;
-      y = y > 0.0f ? y : 0.0f;
-      y = y < 15.0f ? y : 15.0f;
-      const VI t = __builtin_convertvector(y, VI);
-      return t + ((__builtin_convertvector(t, VF) < y) & 1);
-    } else {
-      return CountAbove<false>(thresholds4, x * inverse);
-    }
-  };
   for (int64_t j = 0; j < h; j += kLanes) {
-    const VI even = levels(LoadV(v + j), LoadV(col_even + j));
-    const VI odd = levels(LoadV(v + h + j), LoadV(col_odd + j));
+    const VI even = SecondMomentLevels<kLinear>(LoadV(v + j), LoadV(col_even + j), row_inverse,
+                                                thresholds4);
+    const VI odd = SecondMomentLevels<kLinear>(LoadV(v + h + j), LoadV(col_odd + j),
+                                               row_inverse, thresholds4);
     StoreCodes(codes + j, even | (odd << 4));
   }
 }
@@ -412,34 +466,132 @@ void StatsRows(const StatsRowsArgs& a, int64_t lo, int64_t hi, float* v, uint32_
   }
 }
 
+// The first pass of an Adam row (Adam4bitApply), fused so that the gradient
+// is read once and the divider works beside the other units: the new moments
+// (NewFirstMoment's and NewSecondMoment's arithmetic) into m and v, the update
+// (UpdateV) written over the gradient (out may alias g: each vector of g is
+// read before out's is written) and the block maxima of the first moment as
+// it is stored (0 where the new v is +inf, RestartOverflowed) into
+// new_block_scales, which may alias block_scales (each block's scale is read
+// before its new one is written). Returns whether Markstein's quotient may
+// not be XLA's somewhere in the row.
+template <bool kNesterov>
+__attribute__((always_inline)) inline bool MomentsAndUpdate(const ApplyRowsArgs& a, int64_t i,
+                                                            const Table& m_table,
+                                                            const Table& v_table, VF r,
+                                                            float* __restrict m,
+                                                            float* __restrict v) {
+  const int64_t h = a.h, blocks = h / kBlockBytes;
+  const Coefficients& c = a.c;
+  const float* g = a.g + i * 2 * h;
+  float* out = a.out + i * 2 * h;
+  const uint8_t* m_codes = a.m_codes + i * h;
+  const uint8_t* v_codes = a.v_codes + i * h;
+  const float* block_scales = a.m_scales + i * blocks;
+  float* new_block_scales = a.m_scales_out + i * blocks;
+  const VF row = VF{} + a.row_scales[i];
+  VI unsafe = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float s = block_scales[b];
+    VU block_max = {};
+    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += kLanes) {
+      const VI m_byte = LoadCodes(m_codes + j), v_byte = LoadCodes(v_codes + j);
+      PrefetchAhead(g + 2 * j);
+      const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
+      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      const VF me = MulAddV(VF{} + c.one_minus_b1, ge, c.b1 * (Lookup(m_table, m_byte & 15) * s));
+      const VF mo = MulAddV(VF{} + c.one_minus_b1, go, c.b1 * (Lookup(m_table, m_byte >> 4) * s));
+      const VF ce = LoadV(a.col_even + j), co = LoadV(a.col_odd + j);
+      const VF se = row < ce ? row : ce, so = row < co ? row : co;
+      const VF ve =
+          MulAddV(VF{} + c.one_minus_b2, ge * ge, c.b2 * (Lookup(v_table, v_byte & 15) * se));
+      const VF vo =
+          MulAddV(VF{} + c.one_minus_b2, go * go, c.b2 * (Lookup(v_table, v_byte >> 4) * so));
+      StoreV(m + j, me);
+      StoreV(m + h + j, mo);
+      StoreV(v + j, ve);
+      StoreV(v + h + j, vo);
+      StoreInterleaved(out + 2 * j, UpdateV<kNesterov>(ge, me, ve, c, r, unsafe),
+                       UpdateV<kNesterov>(go, mo, vo, c, r, unsafe));
+      block_max = MaxV(block_max, MaxV(FiniteAbsBits(ve == INFINITY ? VF{} : me),
+                                       FiniteAbsBits(vo == INFINITY ? VF{} : mo)));
+    }
+    new_block_scales[b] = FromBits(HorizontalMax(block_max));
+  }
+  for (int k = 0; k < kLanes; ++k) {
+    if (unsafe[k]) return true;
+  }
+  return false;
+}
+
+// The second pass of an Adam row: the codes of m (restarted where v is +inf)
+// under the new block scales and of v under the new rank-1 scales.
+template <bool kStochastic, bool kFast, bool kLinear>
+__attribute__((always_inline)) inline void EncodeMomentsT(
+    const ApplyRowsArgs& a, int64_t i, const FirstMomentRounding& shared_rounding,
+    const Bounds& v_thresholds4, const float* __restrict m, const float* __restrict v) {
+  // A copy the code stores cannot alias: it stays in registers.
+  const FirstMomentRounding rounding = shared_rounding;
+  const int64_t h = a.h;
+  const uint32_t row_index = a.row_base[i];
+  const float row_inverse = InverseTimes4(a.new_row_scales[i]) * a.inverse_factor;
+  uint8_t* m_out = a.m_out + i * h;
+  uint8_t* v_out = a.v_out + i * h;
+  ForBlockInverses<kBlockBytes>(h, a.m_scales_out + i * (h / kBlockBytes),
+                                [&](int64_t j, float inverse) {
+    const VF ve = LoadV(v + j), vo = LoadV(v + h + j);
+    const VF me = ve == INFINITY ? VF{} : LoadV(m + j);
+    const VF mo = vo == INFINITY ? VF{} : LoadV(m + h + j);
+    StoreCodes(m_out + j, rounding.CodeBytes<kStochastic, kFast>(
+                              Normalized(me, inverse), Normalized(mo, inverse), row_index, j));
+    const VI even = SecondMomentLevels<kLinear>(ve, LoadV(a.inv_col_even + j), row_inverse,
+                                                v_thresholds4);
+    const VI odd = SecondMomentLevels<kLinear>(vo, LoadV(a.inv_col_odd + j), row_inverse,
+                                               v_thresholds4);
+    StoreCodes(v_out + j, even | (odd << 4));
+  });
+}
+
+template <bool kLinear>
+void EncodeMoments(const ApplyRowsArgs& a, int64_t i, const FirstMomentRounding& rounding,
+                   const Bounds& v_thresholds4, const float* m, const float* v) {
+  if (!a.m_stochastic) {
+    EncodeMomentsT<false, false, kLinear>(a, i, rounding, v_thresholds4, m, v);
+  } else if (rounding.fast) {
+    EncodeMomentsT<true, true, kLinear>(a, i, rounding, v_thresholds4, m, v);
+  } else {
+    EncodeMomentsT<true, false, kLinear>(a, i, rounding, v_thresholds4, m, v);
+  }
+}
+
 // Rows [lo, hi) of Adam4bitApply; scratch: 3d floats.
 void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
-  const int64_t h = a.h, d = 2 * h, blocks = h / kBlockBytes;
+  const int64_t h = a.h, d = 2 * h;
   const Coefficients& c = a.c;
   const FirstMomentRounding m_rounding(a.m_table, a.m_table + kTableSize, a.m_seed);
   const Bounds v_thresholds4 = MakeBounds(a.v_thresholds4);
+  const Table m_table = LoadTable(a.m_table), v_table = LoadTable(a.v_table);
+  const float r = 1.0f / c.c2;
   float* m = scratch;
   float* v = m + d;
-  float* work = v + d;
+  float* g_copy = v + d;
   for (int64_t i = lo; i < hi; ++i) {
-    // The update overwrites the gradient row (aliased): read it first.
     const float* g_row = a.g + i * d;
     float* out = a.out + i * d;
-    NewFirstMoment(h, g_row, a.m_codes + i * h, a.m_scales + i * blocks, a.m_table, c.b1,
-                   c.one_minus_b1, m);
-    NewSecondMoment(h, g_row, a.v_codes + i * h, a.row_scales[i], a.col_even,
-                    a.col_odd, a.v_table, c.b2, c.one_minus_b2, v);
+    bool divide = !C2AllowsMarkstein(c.c2);
     if (a.nesterov) {
-      std::memcpy(work, g_row, d * sizeof(float));
-      NesterovUpdate(h, work, m, v, c, out);
+      // Dividing instead needs the gradient the update overwrites.
+      std::memcpy(g_copy, g_row, d * sizeof(float));
+      divide |= MomentsAndUpdate<true>(a, i, m_table, v_table, VF{} + r, m, v);
+      if (divide) NesterovUpdateT<true>(h, g_copy, m, v, c, r, out);
     } else {
-      Update(h, m, v, c, out);
+      divide |= MomentsAndUpdate<false>(a, i, m_table, v_table, VF{} + r, m, v);
+      if (divide) UpdateT<true>(h, m, v, c, r, out);
     }
-    RestartOverflowed(d, v, m);
-    // Flat element indices wrap modulo 2**32, as maps.hashed_uniform's.
-    EncodeFirstMoment(a.m_stochastic, h, m, m_rounding, a.row_base[i],
-                      a.m_scales_out + i * blocks, a.m_out + i * h);
-    EncodeSecondMoment(a.v_linear, h, v, InverseTimes4(a.new_row_scales[i]) * a.inverse_factor,
-                       a.inv_col_even, a.inv_col_odd, v_thresholds4, a.v_out + i * h);
+    if (a.v_linear) {
+      EncodeMoments<true>(a, i, m_rounding, v_thresholds4, m, v);
+    } else {
+      EncodeMoments<false>(a, i, m_rounding, v_thresholds4, m, v);
+    }
   }
 }

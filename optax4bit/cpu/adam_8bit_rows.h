@@ -112,6 +112,7 @@ void NewMoment8(int64_t h, const float* __restrict g, const uint8_t* __restrict 
     for (int64_t j = blk * kHalfBlock8; j < (blk + 1) * kHalfBlock8; j += kLanes) {
       VI ce, co;
       LoadCodes8(codes + 2 * j, ce, co);
+      if constexpr (!kSquare) PrefetchAhead(g + 2 * j);  // g's first read
       const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
       VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
       if constexpr (kSquare) {

@@ -11,6 +11,7 @@
 // Splits a row of 2h values into its even (x[0, h)) and odd (x[h, 2h)) ones.
 void SplitRow(int64_t h, const float* __restrict row, float* __restrict x) {
   for (int64_t j = 0; j < h; j += kLanes) {
+    PrefetchAhead(row + 2 * j);
     const VF a = LoadV(row + 2 * j), b = LoadV(row + 2 * j + kLanes);
     StoreV(x + j, __builtin_shuffle(a, b, kEven));
     StoreV(x + h + j, __builtin_shuffle(a, b, kOdd));

@@ -20,6 +20,7 @@ __attribute__((always_inline)) inline void MomentumT(
     const float s = block_scales[b];
     for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += kLanes) {
       const VI byte = LoadCodes(codes + j);
+      PrefetchAhead(g + 2 * j);
       const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
       const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
       const VF te = MulAddV(Lookup(table, byte & 15) * s, mu, ge);

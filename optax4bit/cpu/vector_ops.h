@@ -145,6 +145,30 @@ inline VF MulAddV(VF a, VF b, VF c) {
 #endif
 }
 
+// Asks for the cache lines 4 KiB after the 2 kLanes floats at p, which a
+// row loop reads about a thousand cycles later. The hardware prefetchers
+// alone leave the loops that stream a gradient from memory waiting on it: the
+// fused 4-bit Adam step took 19 ms instead of 14.5 on one core (SPEC tree).
+constexpr int kPrefetchBytes = 4096;
+inline void PrefetchAhead(const float* p) {
+  const char* q = (const char*)p + kPrefetchBytes;
+  for (int k = 0; k < 8 * kLanes; k += 64) __builtin_prefetch(q + k);
+}
+
+// Correctly rounded square roots, lane by lane (as XLA's sqrt).
+inline VF SqrtV(VF x) {
+#if OPTAX4BIT_ROWS_AVX512
+  return (VF)_mm512_sqrt_ps((__m512)x);
+#elif OPTAX4BIT_ROWS_AVX2
+  return (VF)_mm256_sqrt_ps((__m256)x);
+#else
+  float y[kLanes];
+  std::memcpy(y, &x, sizeof(y));
+  for (int k = 0; k < kLanes; ++k) y[k] = __builtin_sqrtf(y[k]);
+  return LoadV(y);
+#endif
+}
+
 // |x| as bits, 0 where x is not finite, lane by lane: non-negative floats
 // order like their bits.
 inline VU FiniteAbsBits(VF x) {
