@@ -363,30 +363,41 @@ __attribute__((always_inline)) inline void ForNormalizedBlocks(
   });
 }
 
-// B128 codes of one row of m: block maxima, then the codes of the normalized
-// values. row_index: the flat index (mod 2**32) of the row's first element
-// in the leaf, for stochastic rounding's draws.
+// B128 codes of one row of m under its block scales (block_scales: the
+// maxima of finite |m| per block). row_index: the flat index (mod 2**32) of
+// the row's first element in the leaf, for stochastic rounding's draws.
 template <bool kStochastic, bool kFast>
-__attribute__((always_inline)) inline void EncodeFirstMomentT(
+__attribute__((always_inline)) inline void EncodeFirstMomentScaledT(
     int64_t h, const float* __restrict m, const FirstMomentRounding& shared_rounding,
-    uint32_t row_index, float* __restrict block_scales, uint8_t* __restrict codes) {
+    uint32_t row_index, const float* __restrict block_scales, uint8_t* __restrict codes) {
   // A copy the code stores cannot alias: it stays in registers.
   const FirstMomentRounding rounding = shared_rounding;
-  ForNormalizedBlocks<kBlockBytes>(h, m, block_scales, [&](int64_t j, VF xe, VF xo) {
-    StoreCodes(codes + j, rounding.CodeBytes<kStochastic, kFast>(xe, xo, row_index, j));
+  ForBlockInverses<kBlockBytes>(h, block_scales, [&](int64_t j, float inverse) {
+    StoreCodes(codes + j, rounding.CodeBytes<kStochastic, kFast>(
+                              Normalized(LoadV(m + j), inverse),
+                              Normalized(LoadV(m + h + j), inverse), row_index, j));
   });
 }
 
+void EncodeFirstMomentScaled(bool stochastic, int64_t h, const float* __restrict m,
+                             const FirstMomentRounding& rounding, uint32_t row_index,
+                             const float* __restrict block_scales, uint8_t* __restrict codes) {
+  if (!stochastic) {
+    EncodeFirstMomentScaledT<false, false>(h, m, rounding, row_index, block_scales, codes);
+  } else if (rounding.fast) {
+    EncodeFirstMomentScaledT<true, true>(h, m, rounding, row_index, block_scales, codes);
+  } else {
+    EncodeFirstMomentScaledT<true, false>(h, m, rounding, row_index, block_scales, codes);
+  }
+}
+
+// B128 codes of one row of m: its block maxima into block_scales, then the
+// codes.
 void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
                        const FirstMomentRounding& rounding, uint32_t row_index,
                        float* __restrict block_scales, uint8_t* __restrict codes) {
-  if (!stochastic) {
-    EncodeFirstMomentT<false, false>(h, m, rounding, row_index, block_scales, codes);
-  } else if (rounding.fast) {
-    EncodeFirstMomentT<true, true>(h, m, rounding, row_index, block_scales, codes);
-  } else {
-    EncodeFirstMomentT<true, false>(h, m, rounding, row_index, block_scales, codes);
-  }
+  BlockMaxima<kBlockBytes>(h, m, block_scales);
+  EncodeFirstMomentScaled(stochastic, h, m, rounding, row_index, block_scales, codes);
 }
 
 // optax4bit._steps.restart_overflowed: the first moment to store is 0 where

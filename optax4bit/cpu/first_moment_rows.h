@@ -62,20 +62,6 @@ void FactoredSecondMoment(int64_t h, float row, const float* __restrict col_even
   }
 }
 
-// Whether g * g is +inf anywhere in a row of d elements (rare: the restart
-// below then runs on a copy of the row).
-bool SquareOverflows(int64_t d, const float* __restrict g) {
-  VI any = {};
-  for (int64_t k = 0; k < d; k += kLanes) {
-    const VF x = LoadV(g + k);
-    any |= x * x == INFINITY;
-  }
-  for (int k = 0; k < kLanes; ++k) {
-    if (any[k]) return true;
-  }
-  return false;
-}
-
 // optax4bit._steps.restart_factored_overflow: where g * g is +inf the update
 // is 0 * g and the first moment restarts from 0.
 void RestartFactoredOverflow(int64_t h, const float* __restrict g, float* __restrict out,
@@ -90,10 +76,68 @@ void RestartFactoredOverflow(int64_t h, const float* __restrict g, float* __rest
   }
 }
 
+// The first loop of a factored Adam row, fused as the Adam step's
+// MomentsAndUpdate: the new first moment (NewFirstMoment's arithmetic), the
+// second rebuilt from its factors (FactoredSecondMoment's), the update
+// written over the gradient (out may alias g), then where g * g is +inf the
+// update 0 * g and the first moment 0 (RestartFactoredOverflow); the first
+// moment as stored into m, its block maxima into new_block_scales (which may
+// alias the old ones, each read first) and the gradient into g_copy, for a
+// row that divides after all. Returns whether Markstein's quotient may not
+// be XLA's somewhere in the row.
+bool FactoredMomentsAndUpdate(const FirstMomentRowsArgs& a, int64_t i, const Table& m_table,
+                              VF r, float* __restrict m, float* __restrict g_copy) {
+  const int64_t h = a.h, blocks = h / kBlockBytes;
+  const Coefficients& c = a.c;
+  const float* g = a.g + i * 2 * h;
+  float* out = a.out + i * 2 * h;
+  const uint8_t* codes = a.m_codes + i * h;
+  const float* block_scales = a.m_scales + i * blocks;
+  float* new_block_scales = a.m_scales_out + i * blocks;
+  const VF row = VF{} + a.factor_rows[i];
+  const bool positive = a.factor_positive;
+  const float inverse = a.factor_inverse;
+  VI unsafe = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float s = block_scales[b];
+    VU block_max = {};
+    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += kLanes) {
+      const VI byte = LoadCodes(codes + j);
+      PrefetchAhead(g + 2 * j);
+      const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
+      StoreV(g_copy + 2 * j, ga);
+      StoreV(g_copy + 2 * j + kLanes, gb);
+      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      VF me = MulAddV(VF{} + c.one_minus_b1, ge, c.b1 * (Lookup(m_table, byte & 15) * s));
+      VF mo = MulAddV(VF{} + c.one_minus_b1, go, c.b1 * (Lookup(m_table, byte >> 4) * s));
+      const VF ve = positive ? (row * LoadV(a.col_even + j)) * inverse : VF{};
+      const VF vo = positive ? (row * LoadV(a.col_odd + j)) * inverse : VF{};
+      VF ue = UpdateV<false>(ge, me, ve, c, r, unsafe);
+      VF uo = UpdateV<false>(go, mo, vo, c, r, unsafe);
+      const VI overflow_e = ge * ge == INFINITY, overflow_o = go * go == INFINITY;
+      ue = overflow_e ? ge * 0.0f : ue;
+      uo = overflow_o ? go * 0.0f : uo;
+      me = overflow_e ? VF{} : me;
+      mo = overflow_o ? VF{} : mo;
+      StoreInterleaved(out + 2 * j, ue, uo);
+      StoreV(m + j, me);
+      StoreV(m + h + j, mo);
+      block_max = MaxV(block_max, MaxV(FiniteAbsBits(me), FiniteAbsBits(mo)));
+    }
+    new_block_scales[b] = FromBits(HorizontalMax(block_max));
+  }
+  for (int k = 0; k < kLanes; ++k) {
+    if (unsafe[k]) return true;
+  }
+  return false;
+}
+
 // Rows [lo, hi) of Optax4bitFirstMomentApply; scratch: 3d floats.
 void FirstMomentRows(const FirstMomentRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
   const int64_t h = a.h, d = 2 * h, blocks = h / kBlockBytes;
   const FirstMomentRounding rounding(a.m_table, a.m_table + kTableSize, a.m_seed);
+  const Table m_table = LoadTable(a.m_table);
+  const float r = 1.0f / a.c.c2;
   float* m = scratch;
   float* v = m + d;
   float* g_copy = v + d;
@@ -104,19 +148,21 @@ void FirstMomentRows(const FirstMomentRowsArgs& a, int64_t lo, int64_t hi, float
     const uint8_t* codes = a.m_codes + i * h;
     const float* scales = a.m_scales + i * blocks;
     if (a.step == FirstMomentStep::kFactored) {
-      const Coefficients& c = a.c;
-      NewFirstMoment(h, g_row, codes, scales, a.m_table, c.b1, c.one_minus_b1, m);
-      FactoredSecondMoment(h, a.factor_rows[i], a.col_even, a.col_odd, a.factor_positive,
-                           a.factor_inverse, v);
-      const bool overflows = SquareOverflows(d, g_row);
-      if (overflows) std::memcpy(g_copy, g_row, d * sizeof(float));
-      Update(h, m, v, c, out);
-      if (overflows) RestartFactoredOverflow(h, g_copy, out, m);
+      if (FactoredMomentsAndUpdate(a, i, m_table, VF{} + r, m, g_copy) ||
+          !C2AllowsMarkstein(a.c.c2)) {
+        // m holds the moment before the restart wherever it did not restart.
+        FactoredSecondMoment(h, a.factor_rows[i], a.col_even, a.col_odd, a.factor_positive,
+                             a.factor_inverse, v);
+        UpdateT<true>(h, m, v, a.c, r, out);
+        RestartFactoredOverflow(h, g_copy, out, m);
+      }
+      EncodeFirstMomentScaled(a.m_stochastic, h, m, rounding, a.row_base[i],
+                              a.m_scales_out + i * blocks, a.m_out + i * h);
     } else {
       Momentum(a.step == FirstMomentStep::kMomentumNesterov, h, g_row, codes, scales,
                a.m_table, a.momentum, m, out);
+      EncodeFirstMoment(a.m_stochastic, h, m, rounding, a.row_base[i],
+                        a.m_scales_out + i * blocks, a.m_out + i * h);
     }
-    EncodeFirstMoment(a.m_stochastic, h, m, rounding, a.row_base[i],
-                      a.m_scales_out + i * blocks, a.m_out + i * h);
   }
 }
