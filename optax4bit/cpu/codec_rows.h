@@ -1,7 +1,7 @@
 // Row kernels of the 4-bit codecs (codec_ffi.h): decode and encode of one
 // quantized array, for quantize_state's chunks (optax4bit.quant.array.decode
 // / encode). Included once per ISA path by isa_path_rows.h, after
-// vector_ops.h and adam_4bit_rows.h, whose vectors, lookups and encoders they
+// vector_ops.h and encode_rows.h, whose vectors, lookups and encoders they
 // share (no include guard, as those files).
 //
 // Rows hold d = 2h values in their natural order; codes pack element 2j in

@@ -3,13 +3,14 @@ through ``jax.ffi``.
 
 The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
 extension) registers FFI targets for XLA's CPU backend. Its row kernels
-(``adam_4bit_rows.h``, one set shared by all steps; ``first_moment_rows.h``
-runs them for the steps without a quantized second moment) are compiled per
-ISA path (`isas`); calls run the best one this CPU runs (`isa`) unless
-``OPTAX4BIT_CPU_ISA`` names another. They cover a leaf of two axes or more
-(e.g. layers stacked for ``jax.lax.scan``: the rows are the product of the
-leading axes) whose last axis is a multiple of 128, with both recipes of
-`optax4bit.recipes` and any pairing of their quantizers (4 bits):
+(``encode_rows.h`` and ``adam_4bit_rows.h``, one set shared by all steps;
+``first_moment_rows.h`` runs them for the steps without a quantized second
+moment) are compiled per ISA path (`isas`); calls run the best one this CPU
+runs (`isa`) unless ``OPTAX4BIT_CPU_ISA`` names another. They cover a leaf
+of two axes or more (e.g. layers stacked for ``jax.lax.scan``: the rows are
+the product of the leading axes) whose last axis is a multiple of 128, with
+both recipes of `optax4bit.recipes` and any pairing of their quantizers (4
+bits):
 
 * first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
   stochastically (the default recipe: ``B128/NF``, stochastic);

@@ -1,8 +1,8 @@
 // Row kernels of the fused steps whose only quantized moment is the first,
 // heavy-ball momentum and Adam with a factored second moment (adam_4bit.cc:
 // Optax4bitFirstMomentApply). isa_path_rows.h includes this file after
-// adam_4bit_rows.h in each ISA path's namespace: these rows run its
-// first-moment kernels (decode, NewFirstMoment, EncodeFirstMoment,
+// encode_rows.h and adam_4bit_rows.h in each ISA path's namespace: these rows
+// run their first-moment kernels (decode, NewFirstMoment, EncodeFirstMoment,
 // FirstMomentRounding) and Update.
 
 // The trace g + momentum t of one row (t decoded by table permutes) and the

@@ -1,5 +1,5 @@
 // Vectors, loads and stores, table lookups and fused multiply-adds of one ISA
-// path, shared by its row kernels (adam_4bit_rows.h and the files after it).
+// path, shared by its row kernels (encode_rows.h and the files after it).
 // isa_path_rows.h includes this file once per ISA path, inside that path's
 // namespace and under its `#pragma GCC target` (no include guard).
 // OPTAX4BIT_ROWS_AVX512 is 1 in the AVX-512 path, OPTAX4BIT_ROWS_AVX2 in the

@@ -1,0 +1,304 @@
+// Encoders of the 4-bit moments, shared by every step's row kernels and the
+// codecs: the binary search over a map's thresholds, the first moment's
+// rounding (nearest, or stochastic from hashed draws) under B128 block
+// scales, and the second moment's rank-1 levels. isa_path_rows.h includes
+// this file once per ISA path, after vector_ops.h, inside the path's
+// namespace and under its `#pragma GCC target` (no include guard).
+
+// Binary search over 15 sorted bounds b[0..14]: the number of bounds below x
+// (x > b, or x >= b if kInclusive), by 4 compares, as
+// optax4bit.quant.maps.count_above: with b[7], then b[3] or b[11] (a blend),
+// then bounds picked by permutes (b[15] = +inf is never selected).
+struct Bounds {
+  Table b, b_plus1;  // b_plus1[k] = b[k + 1]: no index add
+  VF b3, b7, b11;
+};
+
+inline Bounds MakeBounds(const float* bounds) {
+  float b[2][kTableSize];
+  for (int k = 0; k < kTableSize; ++k) {
+    b[0][k] = k < kTableSize - 1 ? bounds[k] : INFINITY;
+    b[1][k] = k + 1 < kTableSize - 1 ? bounds[k + 1] : INFINITY;
+  }
+  return Bounds{LoadTable(b[0]), LoadTable(b[1]), VF{} + bounds[3], VF{} + bounds[7],
+                VF{} + bounds[11]};
+}
+
+template <bool kInclusive>
+__attribute__((always_inline)) inline VI CountAbove(const Bounds& t, VF x) {
+  auto above = [](VF x, VF b) { return kInclusive ? x >= b : x > b; };
+  const auto upper = above(x, t.b7);
+  VI c = upper ? VI{} + 8 : VI{};
+  c = above(x, upper ? t.b11 : t.b3) ? c + 4 : c;
+  c = above(x, Lookup(t.b_plus1, c)) ? c + 2 : c;
+  return above(x, Lookup(t.b, c)) ? c + 1 : c;
+}
+
+// optax4bit.quant.maps.mix32 lane by lane (uint32 multiplies wrap).
+inline VU Mix32(VU x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+constexpr VU kEvenIndex = (VU)kEven;
+
+// The U[0, 1) draws of maps.hashed_uniform for the elements with flat indices
+// index (mod 2**32), times 2**24: mix32(index ^ seed) >> 8, exact in float32.
+inline VF HashedUniformTimes2p24(VU index, uint32_t seed) {
+  return __builtin_convertvector((VI)(Mix32(index ^ seed) >> 8), VF);
+}
+
+// How a row of the first moment is rounded to codes: to the nearest entry
+// (the count of midpoint thresholds below n), or stochastically as
+// optax4bit.quant.maps.encode_stochastic (n clipped to the table; lower = the
+// largest k with table[k] <= n; up by one where the draw u < (n - table[lower])
+// / gap, gap = table[lower + 1] - table[lower], 0 at the top entry).
+//
+// Stochastic rounding takes a faster path where the map allows (NF's entries
+// do; DE's crowd near 0 and take the general one):
+// * lower by one lookup: split [lowest, highest] into 32 cells by a monotone
+//   function of n; where no cell holds two of table[1..15], cell_lower[c]
+//   counts those in the cells below n's cell c and one compare with the next
+//   entry settles the one c may hold;
+// * u < p as u 2**24 < (n - table[lower]) / (gap 2**-24): scaling by powers of
+//   two commutes with rounding where p is normal or 0, and it is for gaps in
+//   [2**-100, 1] (n - table[lower] is 0 or normal, subnormals being flushed).
+struct FirstMomentRounding {
+  static constexpr int kCells = 32;
+  Bounds thresholds;  // nearest: the 15 midpoint thresholds
+  Bounds entries;     // stochastic, binary search: table[1..15]
+  Table table;
+  // gap[k] = table[k + 1] - table[k] where that is > 0, else 1 (then n -
+  // table[k] is 0: only n = table[15] is left there by the clip).
+  Table gap;
+  Table gap_2m24;                  // gap 2**-24
+  Table next;                      // table[k + 1], +inf for k = 15
+  IntTable32 cell_lower;
+  float cell_scale, cell_offset;   // n's cell: trunc(n * cell_scale + cell_offset)
+  bool fast;                       // the faster stochastic path applies
+  float lowest, highest;
+  uint32_t seed;
+
+  FirstMomentRounding(const float* values, const float* midpoints, uint32_t seed_)
+      : thresholds(MakeBounds(midpoints)), entries(MakeBounds(values + 1)),
+        table(LoadTable(values)), lowest(values[0]), highest(values[kTableSize - 1]),
+        seed(seed_) {
+    float gaps[kTableSize], gaps_2m24[kTableSize], nexts[kTableSize];
+    for (int k = 0; k < kTableSize; ++k) {
+      const float gap_k = values[std::min<int>(k + 1, kTableSize - 1)] - values[k];
+      gaps[k] = gap_k > 0.0f ? gap_k : 1.0f;
+      gaps_2m24[k] = gaps[k] * 0x1p-24f;
+      nexts[k] = k + 1 < kTableSize ? values[k + 1] : INFINITY;
+    }
+    gap = LoadTable(gaps);
+    gap_2m24 = LoadTable(gaps_2m24);
+    next = LoadTable(nexts);
+    cell_scale = (kCells - 0.5f) / (highest - lowest);
+    cell_offset = -lowest * cell_scale;
+    // Every clipped n lands in [0, kCells), each cell holds one entry at most.
+    fast = std::isfinite(cell_scale) && cell_scale > 0.0f && Cell(lowest) > -1.0f &&
+           Cell(highest) < kCells;
+    for (int k = 0; k < kTableSize; ++k) fast &= gaps[k] >= 0x1p-100f && gaps[k] <= 1.0f;
+    int32_t cell_lowers[kCells] = {};
+    for (int c = 0, count = 0; c < kCells && fast; ++c) {
+      cell_lowers[c] = count;
+      while (count < kTableSize - 1 && (int)Cell(values[count + 1]) <= c) ++count;
+      fast = count - cell_lowers[c] <= 1;
+    }
+    std::memcpy(cell_lower.part, cell_lowers, sizeof(cell_lowers));
+#if OPTAX4BIT_ROWS_AVX2
+    uint8_t low_bytes[2][32];
+    for (int k = 0; k < kCells; ++k) low_bytes[k / 16][k % 16] = low_bytes[k / 16][k % 16 + 16] =
+        (uint8_t)cell_lowers[k];
+    std::memcpy(&cell_lower.bytes[0], low_bytes[0], 32);
+    std::memcpy(&cell_lower.bytes[1], low_bytes[1], 32);
+#endif
+  }
+
+  float Cell(float n) const { return MulAdd(n, cell_scale, cell_offset); }
+
+  template <bool kStochastic, bool kFast>
+  __attribute__((always_inline)) VI Codes(VF n, VU index) const {
+    if constexpr (!kStochastic) {
+      return CountAbove<false>(thresholds, n);
+    } else {
+      n = n > lowest ? n : lowest;
+      n = n < highest ? n : highest;
+      const VF u_2p24 = HashedUniformTimes2p24(index, seed);
+      if constexpr (kFast) {
+        const VI cell = __builtin_convertvector(
+            MulAddV(n, VF{} + cell_scale, VF{} + cell_offset), VI);
+        VI lower = Lookup(cell_lower, cell);
+        lower = n >= Lookup(next, lower) ? lower + 1 : lower;
+        const VF p_2p24 =
+            (n - Lookup(table, lower)) / Lookup(gap_2m24, lower);
+        return u_2p24 < p_2p24 ? lower + 1 : lower;
+      } else {
+        const VI lower = CountAbove<true>(entries, n);
+        const VF probability =
+            (n - Lookup(table, lower)) / Lookup(gap, lower);
+        return u_2p24 * 0x1p-24f < probability ? lower + 1 : lower;
+      }
+    }
+  }
+
+  // The code bytes of kLanes even elements xe and the odd ones xo after them
+  // at half-row offset j of a row whose first element has flat index
+  // row_index (mod 2**32).
+  template <bool kStochastic, bool kFast>
+  __attribute__((always_inline)) VI CodeBytes(VF xe, VF xo, uint32_t row_index, int64_t j) const {
+    const VU even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
+    return Codes<kStochastic, kFast>(xe, even_index) |
+           (Codes<kStochastic, kFast>(xo, even_index + 1) << 4);
+  }
+};
+
+// Block maxima of finite |x| of one row (split even/odd) into block_scales,
+// blocks of kHalfBlock elements of each half.
+template <int64_t kHalfBlock>
+__attribute__((always_inline)) inline void BlockMaxima(int64_t h, const float* __restrict x,
+                                                       float* __restrict block_scales) {
+  for (int64_t b = 0; b < h / kHalfBlock; ++b) {
+    const float* xb = x + b * kHalfBlock;
+    VU s = {};
+    for (int64_t j = 0; j < kHalfBlock; j += kLanes) {
+      s = MaxV(s, MaxV(FiniteAbsBits(LoadV(xb + j)), FiniteAbsBits(LoadV(xb + h + j))));
+    }
+    block_scales[b] = FromBits(HorizontalMax(s));
+  }
+}
+
+// store(j, inverse) for every kLanes elements j of each half of a row, with
+// inverse = 4 / the scale of j's block (InverseTimes4): the inverses of 16
+// blocks, then their stores, so that no block waits on its own division.
+template <int64_t kHalfBlock, typename Store>
+__attribute__((always_inline)) inline void ForBlockInverses(int64_t h,
+                                                            const float* block_scales,
+                                                            Store store) {
+  constexpr int64_t kGroup = 16;
+  const int64_t blocks = h / kHalfBlock;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kGroup) {
+    const int64_t n = std::min(kGroup, blocks - b0);
+    float inverse[kGroup];
+    for (int64_t b = 0; b < n; ++b) inverse[b] = InverseTimes4(block_scales[b0 + b]);
+    for (int64_t b = 0; b < n; ++b) {
+      for (int64_t j = (b0 + b) * kHalfBlock; j < (b0 + b + 1) * kHalfBlock; j += kLanes) {
+        store(j, inverse[b]);
+      }
+    }
+  }
+}
+
+// x normalized by its block's inverse: (x * inverse) * 0.25, NaN read as 0
+// (optax4bit.quant.normalize.normalize).
+inline VF Normalized(VF x, float inverse) {
+  x = (x * inverse) * 0.25f;
+  return x == x ? x : 0.0f;
+}
+
+// Block maxima of one row (split even/odd) into block_scales, then
+// store(j, xe, xo) for every kLanes elements j of each half, normalized.
+template <int64_t kHalfBlock, typename Store>
+__attribute__((always_inline)) inline void ForNormalizedBlocks(
+    int64_t h, const float* __restrict x, float* __restrict block_scales, Store store) {
+  BlockMaxima<kHalfBlock>(h, x, block_scales);
+  ForBlockInverses<kHalfBlock>(h, block_scales, [&](int64_t j, float inverse) {
+    store(j, Normalized(LoadV(x + j), inverse), Normalized(LoadV(x + h + j), inverse));
+  });
+}
+
+// B128 codes of one row of m under its block scales (block_scales: the
+// maxima of finite |m| per block). row_index: the flat index (mod 2**32) of
+// the row's first element in the leaf, for stochastic rounding's draws.
+template <bool kStochastic, bool kFast>
+__attribute__((always_inline)) inline void EncodeFirstMomentScaledT(
+    int64_t h, const float* __restrict m, const FirstMomentRounding& shared_rounding,
+    uint32_t row_index, const float* __restrict block_scales, uint8_t* __restrict codes) {
+  // A copy the code stores cannot alias: it stays in registers.
+  const FirstMomentRounding rounding = shared_rounding;
+  ForBlockInverses<kBlockBytes>(h, block_scales, [&](int64_t j, float inverse) {
+    StoreCodes(codes + j, rounding.CodeBytes<kStochastic, kFast>(
+                              Normalized(LoadV(m + j), inverse),
+                              Normalized(LoadV(m + h + j), inverse), row_index, j));
+  });
+}
+
+void EncodeFirstMomentScaled(bool stochastic, int64_t h, const float* __restrict m,
+                             const FirstMomentRounding& rounding, uint32_t row_index,
+                             const float* __restrict block_scales, uint8_t* __restrict codes) {
+  if (!stochastic) {
+    EncodeFirstMomentScaledT<false, false>(h, m, rounding, row_index, block_scales, codes);
+  } else if (rounding.fast) {
+    EncodeFirstMomentScaledT<true, true>(h, m, rounding, row_index, block_scales, codes);
+  } else {
+    EncodeFirstMomentScaledT<true, false>(h, m, rounding, row_index, block_scales, codes);
+  }
+}
+
+// B128 codes of one row of m: its block maxima into block_scales, then the
+// codes.
+void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
+                       const FirstMomentRounding& rounding, uint32_t row_index,
+                       float* __restrict block_scales, uint8_t* __restrict codes) {
+  BlockMaxima<kBlockBytes>(h, m, block_scales);
+  EncodeFirstMomentScaled(stochastic, h, m, rounding, row_index, block_scales, codes);
+}
+
+// Rank-1 codes of one row of v, nearest rounding.
+//
+// Linear (a closed form): ceil(16 n - 1.5) clamped to [0, 15], n = v *
+// max(4 / row scale, 4 / column scale) / 4, NaN read as 0. The inverses come
+// times 4 (inverse16): 16 n = v * inverse16 exactly, as scaling by a power of
+// two commutes with rounding. NaN fails y > 0 and gets level 0 as 0 does.
+// Clamping before the ceiling gives the same level and keeps the float -> int
+// conversion in range; ceil(y) = trunc(y) + (trunc(y) < y).
+//
+// Other maps: n = (v * max(4 / row scale, 4 / column scale)) * 0.25 (the
+// inverses come times 4: inverse4), NaN read as 0, then the number of the 15
+// thresholds below n, all positive normal numbers: n > t exactly when y =
+// v * inverse4 > 4 t (a NaN y, which n reads as 0, is above none of them,
+// and a y whose quarter is subnormal is below all), so thresholds4 holds 4 t.
+template <bool kLinear>
+__attribute__((always_inline)) inline VI SecondMomentLevels(VF x, VF col_inverse,
+                                                            float row_inverse,
+                                                            const Bounds& thresholds4) {
+  const VF inverse = col_inverse > row_inverse ? col_inverse : row_inverse;
+  if constexpr (kLinear) {
+    VF y = x * inverse - 1.5f;
+    y = y > 0.0f ? y : 0.0f;
+    y = y < 15.0f ? y : 15.0f;
+    const VI t = __builtin_convertvector(y, VI);
+    return t + ((__builtin_convertvector(t, VF) < y) & 1);
+  } else {
+    return CountAbove<false>(thresholds4, x * inverse);
+  }
+}
+
+template <bool kLinear>
+__attribute__((always_inline)) inline void EncodeSecondMomentT(
+    int64_t h, const float* __restrict v, float row_inverse, const float* __restrict col_even,
+    const float* __restrict col_odd, const Bounds& thresholds4, uint8_t* __restrict codes) {
+  for (int64_t j = 0; j < h; j += kLanes) {
+    const VI even = SecondMomentLevels<kLinear>(LoadV(v + j), LoadV(col_even + j), row_inverse,
+                                                thresholds4);
+    const VI odd = SecondMomentLevels<kLinear>(LoadV(v + h + j), LoadV(col_odd + j),
+                                               row_inverse, thresholds4);
+    StoreCodes(codes + j, even | (odd << 4));
+  }
+}
+
+// row_inverse, col_*: inverse16 for Linear, inverse4 for the other maps.
+void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
+                        float row_inverse, const float* __restrict col_even,
+                        const float* __restrict col_odd, const Bounds& thresholds4,
+                        uint8_t* __restrict codes) {
+  if (linear) {
+    EncodeSecondMomentT<true>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
+  } else {
+    EncodeSecondMomentT<false>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
+  }
+}
+
