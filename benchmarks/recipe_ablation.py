@@ -57,6 +57,8 @@ CONFIGS = {
     "v Rank-1/DE-0": (DE, "Rank-1/DE-0"),
     "v Rank-1/SqrtDE-0": (DE, "Rank-1/SqrtDE-0"),
     "m DE stochastic, v SqrtDE-0": (DE_SR, "Rank-1/SqrtDE-0"),
+    # The best nearest-rounding pair: no random draws in the kernels.
+    "m NF, v SqrtDE-0 (both nearest)": (NF, "Rank-1/SqrtDE-0"),
     "default (NF stochastic, SqrtDE-0)": (NF_SR, "Rank-1/SqrtDE-0"),
 }
 
