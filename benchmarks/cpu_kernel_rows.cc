@@ -18,6 +18,7 @@
 //     benchmarks/cpu_kernel_rows.cc -o /tmp/cpu_kernel_rows -lpthread && /tmp/cpu_kernel_rows [isa...]
 
 #include "../optax4bit/cpu/adam_4bit.cc"
+#include "row_pass_args.h"
 
 #include <chrono>
 #include <cstdio>
@@ -67,52 +68,18 @@ void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear) 
   std::vector<uint8_t> m_codes(rows * h), v_codes(rows * h);
   for (uint8_t& x : m_codes) x = rng() & 255;
   for (uint8_t& x : v_codes) x = rng() & 255;
-  // Sorted tables and their midpoints: a signed one for m, an unsigned one
-  // (squares, as SqrtDE-0's) for v.
-  float tables[kTablesSize];
-  float* m_table = tables;
-  float* v_table = tables + 2 * kTableSize - 1;
-  for (int k = 0; k < kTableSize; ++k) {
-    m_table[k] = (k - 7.5f) / 8;
-    v_table[k] = (k + 1.0f) * (k + 1.0f) / 256;
-  }
-  for (int k = 0; k + 1 < kTableSize; ++k) {
-    m_table[kTableSize + k] = (m_table[k] + m_table[k + 1]) / 2;
-    v_table[kTableSize + k] = (v_table[k] + v_table[k + 1]) / 2;
-  }
+  RowPassArgs args(rows, h, v_linear);
+  const float* m_table = args.m_table();
+  const float* v_table = args.v_table();
+  const Coefficients& c = args.c;
   const typename R::FirstMomentRounding m_rounding(m_table, m_table + kTableSize, 12345u);
-  float v_thresholds4[kTableSize - 1];
-  for (int k = 0; k + 1 < kTableSize; ++k) v_thresholds4[k] = 4 * v_table[kTableSize + k];
-  const typename R::Bounds v_thresholds = R::MakeBounds(v_thresholds4);
-  const float inverse = v_linear ? 16e4f : 4e4f;
-  const std::vector<float> col(h, 1e-4f), col_inverse(h, inverse);
+  const typename R::Bounds v_thresholds = R::MakeBounds(args.v_thresholds4);
   std::vector<float> m(d), v(d), scratch(3 * d), new_rows(rows);
-  std::vector<uint32_t> col_max(d), row_base(rows);
-  for (int64_t i = 0; i < rows; ++i) row_base[i] = (uint32_t)(i * d);
-  const Coefficients c{0.9f, 0.1f, 0.999f, 0.001f, 1e-8f, 0.0f, 0.1f,
-                       1000.0f, 10.0f, 5.0f, 0.001f, 0.19f};
-  StatsRowsArgs stats{h, g.data(), v_rows.data(), col.data(), col.data(), v_table,
-                      v_codes.data(), c, new_rows.data()};
-  // The new scales are the old ones, the codes and block scales written in
-  // place, the update over the gradient: as the kernel's aliased buffers.
-  ApplyRowsArgs apply{};
-  apply.h = h;
-  apply.g = apply.out = g.data();
-  apply.m_scales = apply.m_scales_out = m_scales.data();
-  apply.row_scales = apply.new_row_scales = v_rows.data();
-  apply.col_even = apply.col_odd = col.data();
-  apply.inv_col_even = apply.inv_col_odd = col_inverse.data();
-  apply.m_table = m_table;
-  apply.v_table = v_table;
-  apply.v_thresholds4 = v_thresholds4;
-  apply.m_codes = apply.m_out = m_codes.data();
-  apply.v_codes = apply.v_out = v_codes.data();
-  apply.row_base = row_base.data();
-  apply.m_seed = 12345u;
-  apply.inverse_factor = v_linear ? 4.0f : 1.0f;
-  apply.c = c;
-  apply.m_stochastic = m_stochastic;
-  apply.v_linear = v_linear;
+  std::vector<uint32_t> col_max(d);
+  const StatsRowsArgs stats = args.Stats(g.data(), v_rows.data(), v_codes.data(), new_rows.data());
+  // The block scales too are written in place.
+  const ApplyRowsArgs apply = args.Apply(g.data(), v_rows.data(), m_codes.data(), v_codes.data(),
+                                         m_scales.data(), m_scales.data(), m_stochastic);
   FlushDenormals flush;
   const char* names[] = {"stats pass", "apply pass", "  new m", "  new v", "  update",
                          "  m encode", "  v encode"};
@@ -133,16 +100,16 @@ void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear) 
       R::NewFirstMoment(h, g_row, m_codes.data() + i * h, m_scales.data() + i * blocks, m_table,
                         c.b1, c.one_minus_b1, m.data());
       const auto t1 = Clock::now();
-      R::NewSecondMoment(h, g_row, v_codes.data() + i * h, v_rows[i], col.data(), col.data(),
-                         v_table, c.b2, c.one_minus_b2, v.data());
+      R::NewSecondMoment(h, g_row, v_codes.data() + i * h, v_rows[i], args.col.data(),
+                         args.col.data(), v_table, c.b2, c.one_minus_b2, v.data());
       const auto t2 = Clock::now();
       R::Update(h, m.data(), v.data(), c, g_row);
       const auto t3 = Clock::now();
-      R::EncodeFirstMoment(m_stochastic, h, m.data(), m_rounding, row_base[i],
+      R::EncodeFirstMoment(m_stochastic, h, m.data(), m_rounding, args.row_base[i],
                            m_scales.data() + i * blocks, m_codes.data() + i * h);
       const auto t4 = Clock::now();
-      R::EncodeSecondMoment(v_linear, h, v.data(), inverse, col_inverse.data(),
-                            col_inverse.data(), v_thresholds, v_codes.data() + i * h);
+      R::EncodeSecondMoment(v_linear, h, v.data(), args.inverse, args.col_inverse.data(),
+                            args.col_inverse.data(), v_thresholds, v_codes.data() + i * h);
       const auto t5 = Clock::now();
       t[2] += Seconds(t0, t1);
       t[3] += Seconds(t1, t2);

@@ -200,6 +200,7 @@ _ROWS_CHECK = r"""
 // One stats pass and one apply pass of the baseline rows (StatsRows, ApplyRows) over a 4x256 leaf; prints an
 // FNV-1a hash of every output (update, codes, scales, maxima) per recipe.
 #include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
+#include "benchmarks/row_pass_args.h"
 
 #include <cstdio>
 #include <cstring>
@@ -224,49 +225,15 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> m_codes(rows * h), v_codes(rows * h);
     for (uint8_t& x : m_codes) x = next() >> 24;
     for (uint8_t& x : v_codes) x = next() >> 24;
-    float tables[kTablesSize];
-    float* m_table = tables;
-    float* v_table = tables + 2 * kTableSize - 1;
-    for (int k = 0; k < kTableSize; ++k) {
-      m_table[k] = (k - 7.5f) / 8;
-      v_table[k] = (k + 1.0f) * (k + 1.0f) / 256;
-    }
-    for (int k = 0; k + 1 < kTableSize; ++k) {
-      m_table[kTableSize + k] = (m_table[k] + m_table[k + 1]) / 2;
-      v_table[kTableSize + k] = (v_table[k] + v_table[k + 1]) / 2;
-    }
-    float v_thresholds4[kTableSize - 1];
-    for (int k = 0; k + 1 < kTableSize; ++k) v_thresholds4[k] = 4 * v_table[kTableSize + k];
-    const float inverse = v_linear ? 16e4f : 4e4f;
-    const std::vector<float> col(h, 1e-4f), col_inverse(h, inverse);
+    RowPassArgs args(rows, h, v_linear);
     std::vector<float> v(d), scratch(3 * d), new_m_scales(rows * blocks), row_max(rows);
-    std::vector<uint32_t> col_max(d), row_base(rows);
-    for (int64_t i = 0; i < rows; ++i) row_base[i] = (uint32_t)(i * d);
-    const Coefficients c{0.9f, 0.1f, 0.999f, 0.001f, 1e-8f, 0.0f, 0.1f,
-                         1000.0f, 10.0f, 5.0f, 0.001f, 0.19f};
+    std::vector<uint32_t> col_max(d);
     FlushDenormals flush;
-    const StatsRowsArgs stats{h, g.data(), v_rows.data(), col.data(), col.data(), v_table,
-                              v_codes.data(), c, row_max.data()};
-    baseline::StatsRows(stats, 0, rows, v.data(), col_max.data());
-    ApplyRowsArgs apply{};
-    apply.h = h;
-    apply.g = apply.out = g.data();
-    apply.m_scales = m_scales.data();
-    apply.m_scales_out = new_m_scales.data();
-    apply.row_scales = apply.new_row_scales = v_rows.data();
-    apply.col_even = apply.col_odd = col.data();
-    apply.inv_col_even = apply.inv_col_odd = col_inverse.data();
-    apply.m_table = m_table;
-    apply.v_table = v_table;
-    apply.v_thresholds4 = v_thresholds4;
-    apply.m_codes = apply.m_out = m_codes.data();
-    apply.v_codes = apply.v_out = v_codes.data();
-    apply.row_base = row_base.data();
-    apply.m_seed = 12345u;
-    apply.inverse_factor = v_linear ? 4.0f : 1.0f;
-    apply.c = c;
-    apply.m_stochastic = m_stochastic;
-    apply.v_linear = v_linear;
+    baseline::StatsRows(args.Stats(g.data(), v_rows.data(), v_codes.data(), row_max.data()), 0,
+                        rows, v.data(), col_max.data());
+    const ApplyRowsArgs apply = args.Apply(g.data(), v_rows.data(), m_codes.data(),
+                                           v_codes.data(), m_scales.data(), new_m_scales.data(),
+                                           m_stochastic);
     baseline::ApplyRows(apply, 0, rows, scratch.data());
     uint64_t hash = 1469598103934665603ull;
     hash = Fnv(hash, g.data(), g.size());
