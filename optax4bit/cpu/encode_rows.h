@@ -10,18 +10,32 @@
 // optax4bit.quant.maps.count_above: with b[7], then b[3] or b[11] (a blend),
 // then bounds picked by permutes (b[15] = +inf is never selected).
 struct Bounds {
+#if OPTAX4BIT_ROWS_AVX2
+  // The third compare's bound b[c + 1], c in {0, 4, 8, 12}, at lane c / 4 and
+  // the fourth's b[c], c even, at lane c / 2: one 8-lane permute each instead
+  // of two and a blend.
+  VF b_quarters_plus1, b_evens;
+#else
   Table b, b_plus1;  // b_plus1[k] = b[k + 1]: no index add
+#endif
   VF b3, b7, b11;
 };
 
 inline Bounds MakeBounds(const float* bounds) {
+  const VF b3 = VF{} + bounds[3], b7 = VF{} + bounds[7], b11 = VF{} + bounds[11];
+#if OPTAX4BIT_ROWS_AVX2
+  float quarters_plus1[kLanes] = {}, evens[kLanes];
+  for (int k = 0; k < 4; ++k) quarters_plus1[k] = bounds[4 * k + 1];
+  for (int k = 0; k < kLanes; ++k) evens[k] = bounds[2 * k];
+  return Bounds{LoadV(quarters_plus1), LoadV(evens), b3, b7, b11};
+#else
   float b[2][kTableSize];
   for (int k = 0; k < kTableSize; ++k) {
     b[0][k] = k < kTableSize - 1 ? bounds[k] : INFINITY;
     b[1][k] = k + 1 < kTableSize - 1 ? bounds[k + 1] : INFINITY;
   }
-  return Bounds{LoadTable(b[0]), LoadTable(b[1]), VF{} + bounds[3], VF{} + bounds[7],
-                VF{} + bounds[11]};
+  return Bounds{LoadTable(b[0]), LoadTable(b[1]), b3, b7, b11};
+#endif
 }
 
 template <bool kInclusive>
@@ -30,8 +44,16 @@ __attribute__((always_inline)) inline VI CountAbove(const Bounds& t, VF x) {
   const auto upper = above(x, t.b7);
   VI c = upper ? VI{} + 8 : VI{};
   c = above(x, upper ? t.b11 : t.b3) ? c + 4 : c;
+#if OPTAX4BIT_ROWS_AVX2
+  auto permute = [](VF table, VI lane) {
+    return (VF)_mm256_permutevar8x32_ps((__m256)table, (__m256i)lane);
+  };
+  c = above(x, permute(t.b_quarters_plus1, c >> 2)) ? c + 2 : c;
+  return above(x, permute(t.b_evens, c >> 1)) ? c + 1 : c;
+#else
   c = above(x, Lookup(t.b_plus1, c)) ? c + 2 : c;
   return above(x, Lookup(t.b, c)) ? c + 1 : c;
+#endif
 }
 
 // optax4bit.quant.maps.mix32 lane by lane (uint32 multiplies wrap).
