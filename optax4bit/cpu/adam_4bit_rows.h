@@ -9,28 +9,6 @@
 // elements (the low and high nibbles of the packed code bytes): x[0, h) holds
 // the even elements, x[h, 2h) the odd ones.
 
-// New first moment (1 - b1) g + b1 m of one row; entries by table permutes.
-void NewFirstMoment(int64_t h, const float* __restrict g,
-                    const uint8_t* __restrict codes,
-                    const float* __restrict block_scales,
-                    const float* __restrict m_table, float b1, float one_minus_b1,
-                    float* __restrict m) {
-  const Table table = LoadTable(m_table);
-  for (int64_t b = 0; b < h / kBlockBytes; ++b) {
-    const float s = block_scales[b];
-    for (int64_t j = b * kBlockBytes; j < (b + 1) * kBlockBytes; j += kLanes) {
-      const VI byte = LoadCodes(codes + j);
-      PrefetchAhead(g + 2 * j);
-      const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
-      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
-      const VF de_even = Lookup(table, byte & 15);
-      const VF de_odd = Lookup(table, byte >> 4);
-      StoreV(m + j, MulAddV(VF{} + one_minus_b1, ge, b1 * (de_even * s)));
-      StoreV(m + h + j, MulAddV(VF{} + one_minus_b1, go, b1 * (de_odd * s)));
-    }
-  }
-}
-
 // New second moment (1 - b2) g^2 + b2 v of one row; the rank-1 scale is
 // min(row max, column max); entries by table permutes (Linear's too: its
 // entries (k + 1) / 16 are exact, and the permutes beat GCC's vectorizing of
@@ -183,7 +161,7 @@ void StatsRows(const StatsRowsArgs& a, int64_t lo, int64_t hi, float* v, uint32_
 
 // The first pass of an Adam row (Adam4bitApply), fused so that the gradient
 // is read once and the divider works beside the other units: the new moments
-// (NewFirstMoment's and NewSecondMoment's arithmetic) into m and v, the update
+// ((1 - b1) g + b1 m and NewSecondMoment's v) into m and v, the update
 // (UpdateV) written over the gradient (out may alias g: each vector of g is
 // read before out's is written) and the block maxima of the first moment as
 // it is stored (0 where the new v is +inf, RestartOverflowed) into

@@ -2,8 +2,8 @@
 // heavy-ball momentum and Adam with a factored second moment (adam_4bit.cc:
 // Optax4bitFirstMomentApply). isa_path_rows.h includes this file after
 // encode_rows.h and adam_4bit_rows.h in each ISA path's namespace: these rows
-// run their first-moment kernels (decode, NewFirstMoment, EncodeFirstMoment,
-// FirstMomentRounding) and Update.
+// run their first-moment kernels (decode, EncodeFirstMoment,
+// FirstMomentRounding) and Adam's update (UpdateV, UpdateT).
 
 // The trace g + momentum t of one row (t decoded by table permutes) and the
 // update: the trace, or g + momentum * trace with Nesterov. XLA fuses each
@@ -77,8 +77,8 @@ void RestartFactoredOverflow(int64_t h, const float* __restrict g, float* __rest
 }
 
 // The first loop of a factored Adam row, fused as the Adam step's
-// MomentsAndUpdate: the new first moment (NewFirstMoment's arithmetic), the
-// second rebuilt from its factors (FactoredSecondMoment's), the update
+// MomentsAndUpdate: the new first moment (1 - b1) g + b1 m, the second
+// rebuilt from its factors (FactoredSecondMoment's), the update
 // written over the gradient (out may alias g), then where g * g is +inf the
 // update 0 * g and the first moment 0 (RestartFactoredOverflow); the first
 // moment as stored into m, its block maxima into new_block_scales (which may
