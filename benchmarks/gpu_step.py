@@ -105,8 +105,10 @@ def optimizers(lr: float = 1e-3) -> dict:
 # 1. Equivalence on the GPU.
 
 CHECKED = {  # name: the scale_by_* transformation for an implementation
-    "adam Rank-1/Linear v": lambda impl: optax4bit.scale_by_adam_4bit(
+    "adam default recipe": lambda impl: optax4bit.scale_by_adam_4bit(
         min_quantize_size=0, implementation=impl),
+    "adam paper recipe": lambda impl: optax4bit.scale_by_adam_4bit(
+        recipe="paper", min_quantize_size=0, implementation=impl),
     "adam B128/Linear v": lambda impl: optax4bit.scale_by_adam_4bit(
         second_moment="B128/Linear", min_quantize_size=0, implementation=impl),
     "adam nesterov": lambda impl: optax4bit.scale_by_adam_4bit(

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Everything a short GPU lease should measure, in one call, each stage time-boxed so
+# that an overrun loses one stage, not the lease. Logs go to $OUT (default /tmp/gpu_session).
+#
+#   OUT=/tmp/gpu_session bash benchmarks/gpu_session.sh
+#
+# Stages: the machine (GPU, CPU, versions); gpu_step.py's Pallas == jnp check and the
+# 110M step timings; the GPU-relevant tests; and, beside them on two other pinned cores,
+# the C++ CPU kernel built there and timed on that machine's CPU (every ISA path it has).
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+last_core=$(($(nproc) - 1))
+
+{ nvidia-smi; lscpu; $PY -c "import sys, jax, jaxlib, optax; print(sys.version); \
+print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'optax', optax.__version__); \
+print(jax.devices())"; } > "$OUT/machine.txt" 2>&1
+
+# The CPU kernel, built first (the GPU stages import the package), then timed on two
+# cores of its own beside the GPU stages, so that its paired ratios compare with a
+# 2-core machine. Every ISA path this CPU can run is forced in turn.
+$PY setup.py build_ext --inplace > "$OUT/cpu_build.txt" 2>&1
+isas=$($PY -c "import optax4bit.cpu as c; print(' '.join(c.isas() or ()))" 2>>"$OUT/cpu_build.txt")
+taskset -c "$((last_core - 1)),$last_core" env JAX_PLATFORMS=cpu timeout 400 \
+  $PY benchmarks/optimizer_speed.py --tree spec --rounds 30 --optimizers optax.adamw \
+  adamw_4bit "adamw_4bit (jnp)" "adamw_4bit (cpu)" "adamw_4bit (paper, cpu)" \
+  "adamw_4bit_factor (cpu)" "adamw_8bit (cpu)" "optax.sgd(momentum)" "sgdm_4bit (cpu)" \
+  --cpu-isas $isas > "$OUT/cpu_speed.txt" 2>&1 &
+gpu_cores=0-$((last_core - 2))
+
+timeout "${GPU_STEP_SECONDS:-280}" taskset -c "$gpu_cores" $PY benchmarks/gpu_step.py \
+  --skip-compile-check --sizes 100M --dtypes float32 bfloat16 \
+  --optimizers optax.adamw "pallas adamw_4bit" "pallas adamw_4bit paper recipe" \
+  "pallas adamw_4bit offloaded" "pallas adamw_4bit_factor" \
+  --json "$OUT/gpu_step.json" > "$OUT/gpu_step.txt" 2>&1
+echo "gpu_step exit $?" >> "$OUT/gpu_step.txt"
+
+timeout "${PYTEST_SECONDS:-170}" taskset -c "$gpu_cores" $PY -m pytest -p no:cacheprovider \
+  -n 6 -v -rfE tests/test_pallas_optim.py tests/test_optim_state.py tests/test_offload.py \
+  tests/test_optim_equivalence.py > "$OUT/pytest.txt" 2>&1
+echo "pytest exit $?" >> "$OUT/pytest.txt"
+
+wait
