@@ -25,9 +25,12 @@ from optax4bit import checkpoint
 from optax4bit import offload
 from subprocess_json import TESTS, run_json
 
-# JAX deprecations are errors here (orbax's own are not ours to fix).
-pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning",
-                                        "ignore::DeprecationWarning:orbax.*")
+# JAX deprecations are errors here (orbax's own are not ours to fix). On a GPU, JAX
+# >= 0.11 warns at every Pallas Triton lowering that the backend is deprecated; the
+# move to Mosaic GPU is open work (benchmarks/RESULTS.md, "GPU step").
+pytestmark = pytest.mark.filterwarnings(
+    "error::DeprecationWarning", "ignore::DeprecationWarning:orbax.*",
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 TXS = {
     "adamw_4bit": lambda: optax4bit.adamw_4bit(1e-3, weight_decay=0.1),
