@@ -150,7 +150,9 @@ def test_killed_save_restores_previous_step(tmp_path):
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax4bit.adamw_4bit(1e-2, chunk_size=2**14))
   params = {"b": jnp.zeros(8192), "w1": jnp.zeros((256, 1024)), "w2": jnp.zeros((1024, 256))}
-  target = checkpoint.abstract({"params": params, "opt_state": jax.eval_shape(tx.init, params),
+  # From arrays, not eval_shape: the child saved on its CPU, and a target without
+  # shardings would make orbax restore onto the saved device (absent on a GPU machine).
+  target = checkpoint.abstract({"params": params, "opt_state": tx.init(params),
                                 "step": jnp.zeros((), jnp.int32)})
   with ocp.CheckpointManager(directory) as manager:
     assert manager.latest_step() == 1

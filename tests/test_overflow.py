@@ -41,14 +41,16 @@ IMPLEMENTATIONS = _implementations()
 @contextlib.contextmanager
 def _isa(implementation: str):
   """``implementation`` without its ISA suffix, with the C++ kernel's ISA
-  path set to the suffix inside."""
+  path set to the suffix inside, and the CPU as the default device (the
+  kernel steps CPU arrays; the tests' arrays are uncommitted and follow it)."""
   if not implementation.startswith("cpu:"):
     yield implementation
     return
   before = optax4bit.cpu.isa()
   cpu_ffi._use_isa(implementation[4:])  # pylint: disable=protected-access
   try:
-    yield "cpu"
+    with jax.default_device(jax.devices("cpu")[0]):
+      yield "cpu"
   finally:
     cpu_ffi._use_isa(before)  # pylint: disable=protected-access
 
