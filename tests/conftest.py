@@ -16,6 +16,7 @@ import functools
 import math
 
 import numpy as np
+import pytest
 
 # --- The exact 4-bit tables (float32), copied literally. --------------------
 
@@ -242,3 +243,12 @@ def train_nnx_beside_functional(tx, steps: int):
     losses.append(float(loss))
     params, state = functional_step(params, state, nnx.as_pure(nnx.state(grads, nnx.Param)))
   return losses, optimizer, params, state, nnx.as_pure(nnx.state(model, nnx.Param))
+
+
+@pytest.fixture
+def cpu_default_device():
+  """The CPU as the default device: the C++ kernel steps CPU arrays, and on a
+  GPU machine the tests' uncommitted arrays then go to its CPU."""
+  import jax  # pylint: disable=import-outside-toplevel
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield

@@ -18,7 +18,8 @@ from optax4bit.quant import maps, normalize
 from optax4bit.quant.spec import QuantSpec
 from test_cpu_kernel import _runnable_isas, isa_path
 
-pytestmark = pytest.mark.skipif(not codec.registered(), reason="the CPU kernel is not built")
+pytestmark = [pytest.mark.skipif(not codec.registered(), reason="the CPU kernel is not built"),
+              pytest.mark.usefixtures("cpu_default_device")]
 
 SPECS = ("B128/DE", "B128/NF", QuantSpec("block", "NF", 4, signed=True, block_size=128,
                                          stochastic=True),

@@ -42,6 +42,11 @@ from optax4bit import alias, dispatch, pallas  # noqa: E402
 EPS32 = float(np.finfo(np.float32).eps)
 needs_kernel = pytest.mark.skipif(not optax4bit.cpu.available(),
                                   reason=str(optax4bit.cpu.unavailable_reason()))
+# "auto" decides by jax.default_backend(): on a GPU machine it runs the Pallas kernels.
+auto_on_the_cpu = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                     reason="auto runs the Pallas kernels on this backend")
+
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def _nibbles(codes) -> np.ndarray:
@@ -220,6 +225,7 @@ def test_kernel_bf16_grads_and_auto_dispatch():
 
 
 @needs_kernel
+@auto_on_the_cpu
 @pytest.mark.parametrize("name", ISAS)
 def test_auto_runs_the_kernel_only_where_it_is_faster(name):
   """"auto" decides by the ISA path (issue 15): the kernel's AVX-512 and AVX2
@@ -484,6 +490,7 @@ def test_kernel_8bit_bitwise_bf16():
 
 
 @needs_kernel
+@auto_on_the_cpu
 @pytest.mark.parametrize("name", ISAS)
 def test_auto_runs_the_8bit_kernel_only_where_it_is_faster(name):
   """As for 4 bits: "auto" runs the 8-bit kernel on the AVX-512 and AVX2
@@ -649,6 +656,7 @@ def test_first_moment_kernels_decline_what_they_do_not_cover():
 
 
 @needs_kernel
+@auto_on_the_cpu
 @pytest.mark.parametrize("name", ISAS)
 def test_auto_runs_the_first_moment_kernel_only_where_it_is_faster(name):
   if name not in optax4bit.cpu.isas():
