@@ -3,8 +3,9 @@ reference, leaf by leaf.
 
 Every optimizer of the library takes ``implementation=``:
 
-* ``"auto"`` (default): the Pallas kernels on a CUDA GPU backend
-  (``jax.default_backend() == "gpu"``, not ROCm); on the CPU backend the
+* ``"auto"`` (default): the Pallas kernels on a CUDA GPU (the default
+  device's platform, ``jax.default_backend()`` unless ``jax.default_device``
+  names another; not ROCm); on the CPU the
   compiled C++ kernels of `optax4bit.cpu` where they are installed and faster
   than the jnp path (their AVX-512 and AVX2 builds; 4-bit AdamW, AdamW with a
   factored second moment, SGD with momentum and `adamw_8bit`; everything else
@@ -34,9 +35,8 @@ from __future__ import annotations
 
 from typing import Union
 
-import jax
-
 from optax4bit import cpu as _cpu
+from optax4bit._platform import default_platform
 from optax4bit._validation import IMPLEMENTATIONS
 from optax4bit.cpu import codec as _cpu_codec
 from optax4bit.cpu import ffi as _cpu_ffi
@@ -64,8 +64,8 @@ def check_implementation(implementation: Implementation) -> Implementation:
 def fused_steps(implementation: Implementation):
   """The fused steps for ``implementation`` (`optax4bit.pallas.steps.PallasSteps`
   or `optax4bit.cpu.ffi.CpuSteps`), or None for the jnp reference. Call while
-  tracing the update (``"auto"`` looks at the backend)."""
-  if implementation == "cpu" or (implementation == "auto" and jax.default_backend() == "cpu"
+  tracing the update (``"auto"`` looks at the default device's platform)."""
+  if implementation == "cpu" or (implementation == "auto" and default_platform() == "cpu"
                                  and _cpu.faster_than_jnp()):
     return _cpu_ffi.CpuSteps()
   config = _pallas_steps.resolve(implementation)
@@ -76,10 +76,10 @@ def codecs(implementation: Implementation):
   """The 4-bit codecs the jnp engine runs in place of its own where no fused
   step covers a leaf (`optax4bit.quantize_state`, and leaves the fused steps
   decline): the C++ kernel's (`optax4bit.cpu.codec`) for ``"cpu"``, and for
-  ``"auto"`` on the CPU backend where the kernel beats the jnp path; else
+  ``"auto"`` on the CPU where the kernel beats the jnp path; else
   None (the jnp codecs). Call while tracing."""
   if implementation == "cpu" and _cpu_codec.registered():
     return _cpu_codec
-  if implementation == "auto" and jax.default_backend() == "cpu" and _cpu_codec.available():
+  if implementation == "auto" and default_platform() == "cpu" and _cpu_codec.available():
     return _cpu_codec
   return None

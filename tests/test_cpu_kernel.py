@@ -38,13 +38,11 @@ import optax4bit  # noqa: E402
 import optax4bit.cpu  # noqa: E402
 from optax4bit.cpu import ffi as cpu_ffi  # noqa: E402
 from optax4bit import alias, dispatch, pallas  # noqa: E402
+from optax4bit._platform import default_platform  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
 needs_kernel = pytest.mark.skipif(not optax4bit.cpu.available(),
                                   reason=str(optax4bit.cpu.unavailable_reason()))
-# "auto" decides by jax.default_backend(): on a GPU machine it runs the Pallas kernels.
-auto_on_the_cpu = pytest.mark.skipif(jax.default_backend() != "cpu",
-                                     reason="auto runs the Pallas kernels on this backend")
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
@@ -225,7 +223,6 @@ def test_kernel_bf16_grads_and_auto_dispatch():
 
 
 @needs_kernel
-@auto_on_the_cpu
 @pytest.mark.parametrize("name", ISAS)
 def test_auto_runs_the_kernel_only_where_it_is_faster(name):
   """"auto" decides by the ISA path (issue 15): the kernel's AVX-512 and AVX2
@@ -239,6 +236,24 @@ def test_auto_runs_the_kernel_only_where_it_is_faster(name):
     assert optax4bit.cpu.faster_than_jnp() == faster
     hlo = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
   assert ("optax4bit_adam_4bit_apply" in hlo) == faster
+
+
+@needs_kernel
+def test_auto_follows_the_default_device_not_the_backend(monkeypatch):
+  """On a GPU machine an update traced under jax.default_device(cpu) runs on
+  the CPU, so "auto" picks the CPU kernels there (by the backend alone it
+  picked Pallas, which cannot lower for the CPU)."""
+  if not optax4bit.cpu.faster_than_jnp():
+    pytest.skip("auto runs the jnp path on this CPU's ISA path")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with jax.default_device(None):
+    assert default_platform() == "gpu"
+  with jax.default_device("cpu"):
+    assert default_platform() == "cpu"
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert default_platform() == "cpu"
+    assert isinstance(dispatch.fused_steps("auto"), cpu_ffi.CpuSteps)
+    assert dispatch.codecs("auto") is not None
 
 
 def test_dispatch_names():
@@ -490,7 +505,6 @@ def test_kernel_8bit_bitwise_bf16():
 
 
 @needs_kernel
-@auto_on_the_cpu
 @pytest.mark.parametrize("name", ISAS)
 def test_auto_runs_the_8bit_kernel_only_where_it_is_faster(name):
   """As for 4 bits: "auto" runs the 8-bit kernel on the AVX-512 and AVX2
@@ -656,7 +670,6 @@ def test_first_moment_kernels_decline_what_they_do_not_cover():
 
 
 @needs_kernel
-@auto_on_the_cpu
 @pytest.mark.parametrize("name", ISAS)
 def test_auto_runs_the_first_moment_kernel_only_where_it_is_faster(name):
   if name not in optax4bit.cpu.isas():

@@ -37,6 +37,7 @@ import numpy as np
 
 from optax4bit import recipes
 from optax4bit import sharding as _sharding
+from optax4bit._platform import default_platform
 from optax4bit._steps import adam_coefficients, momentum_coefficients
 from optax4bit._validation import IMPLEMENTATIONS
 from optax4bit.pallas import _engine, _geometry
@@ -87,7 +88,7 @@ class PallasConfig:
 
 
 def _on_cuda() -> bool:
-  if jax.default_backend() not in ("gpu", "cuda"):
+  if default_platform() != "gpu":
     return False
   try:
     version = str(jax.devices()[0].client.platform_version).lower()
