@@ -12,6 +12,7 @@ tests directory on ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -245,10 +246,17 @@ def train_nnx_beside_functional(tx, steps: int):
   return losses, optimizer, params, state, nnx.as_pure(nnx.state(model, nnx.Param))
 
 
-@pytest.fixture
-def cpu_default_device():
+@contextlib.contextmanager
+def on_the_cpu():
   """The CPU as the default device: the C++ kernel steps CPU arrays, and on a
   GPU machine the tests' uncommitted arrays then go to its CPU."""
   import jax  # pylint: disable=import-outside-toplevel
   with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
+@pytest.fixture
+def cpu_default_device():
+  """`on_the_cpu` for a whole test."""
+  with on_the_cpu():
     yield

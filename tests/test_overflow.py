@@ -23,6 +23,7 @@ import pytest
 
 import optax4bit
 from optax4bit.cpu import ffi as cpu_ffi
+from conftest import on_the_cpu
 
 SHAPE = (256, 512)
 LR = 1e-3
@@ -49,7 +50,7 @@ def _isa(implementation: str):
   before = optax4bit.cpu.isa()
   cpu_ffi._use_isa(implementation[4:])  # pylint: disable=protected-access
   try:
-    with jax.default_device(jax.devices("cpu")[0]):
+    with on_the_cpu():
       yield "cpu"
   finally:
     cpu_ffi._use_isa(before)  # pylint: disable=protected-access

@@ -18,7 +18,7 @@ import pytest
 import optax4bit
 from optax4bit import QuantSpec, qmap, recipes
 from optax4bit.quant import maps
-from conftest import SPEC_DE0_4BIT, argmin_codes, unpack_nibbles
+from conftest import SPEC_DE0_4BIT, argmin_codes, on_the_cpu, unpack_nibbles
 import paper_recipe_golden
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -225,7 +225,7 @@ def test_paper_and_torchao_recipes_unchanged(name):
   golden = {k: v for k, v in _golden().items() if k.startswith(name + "[")}
   # The golden digests are XLA:CPU's; XLA:GPU rounds a few float32 operations
   # differently, so on a GPU machine the check still runs on its CPU.
-  with jax.default_device(jax.devices("cpu")[0]):
+  with on_the_cpu():
     got = paper_recipe_golden.digests(name, "jnp")
   assert got.keys() == golden.keys()
   changed = sorted(k for k in golden if got[k] != golden[k])
