@@ -13,7 +13,9 @@ Every optimizer of the library takes ``implementation=``:
   elsewhere.
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
 * ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
-  construction if it is not installed.
+  construction if it is not installed, and a `ValueError` naming
+  ``implementation`` where the update is compiled for a GPU
+  (`optax4bit.cpu.kernel_call`).
   ``jax.export`` refuses its custom calls (no serialization compatibility
   guarantee): use ``"jnp"`` for an update you export on CPU.
 * ``"pallas"``: the Pallas kernels, lowered through Triton

@@ -234,3 +234,23 @@ def test_optax_inject_hyperparams_needs_static_args(factory):
   tx = optax.inject_hyperparams(factory)(learning_rate=1e-3)
   with pytest.raises(ValueError, match=r"min_quantize_size.*static_args"):
     tx.init(PARAMS)
+
+
+@pytest.mark.skipif(not optax4bit.cpu.available(), reason="the C++ CPU kernel is not built")
+@pytest.mark.parametrize("factory", [
+    lambda: optax4bit.adamw_4bit(1e-3, implementation="cpu"),
+    lambda: optax4bit.sgdm_4bit(1e-2, implementation="cpu"),
+    lambda: optax4bit.adamw_8bit(1e-3, implementation="cpu"),
+    # quantize_state runs the kernel's codecs under "auto" ("cpu" is for fused steps).
+    lambda: optax4bit.quantize_state(optax.adam(1e-3), implementation="auto"),
+], ids=["adamw_4bit", "sgdm_4bit", "adamw_8bit", "quantize_state auto"])
+def test_cpu_kernel_compiled_for_a_gpu_names_implementation(factory):
+  """Compiled for CUDA (exported here, without a GPU), the C++ kernel's calls
+  raise optax4bit's error instead of XLA's "No FFI handler registered"."""
+  tx = factory()
+  params = {"w": jnp.zeros((32, 256))}  # above the smallest quantized leaf
+  state = jax.eval_shape(tx.init, params)
+  step = jax.jit(lambda g, s: tx.update(g, s, params))
+  assert "custom_call @optax4bit_" in step.lower(params, state).as_text()  # the kernel runs
+  with pytest.raises(ValueError, match=r"implementation='cpu'.*compiled for 'cuda'"):
+    jax.export.export(step, platforms=["cuda"])(params, state)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax4bit.cpu import ffi
+from optax4bit.cpu.kernel_call import kernel_call
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.spec import QuantSpec
 
@@ -84,8 +85,8 @@ def decode(codes, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
   first = scales[0].reshape(rows, -1)
   col = scales[1].reshape(1, -1) if rank1 else jnp.zeros((1,), jnp.float32)
   table = jnp.asarray(maps.qmap(spec.mapping, 4, spec.signed))
-  values = jax.ffi.ffi_call(_DECODE, jax.ShapeDtypeStruct((rows, shape[-1]), jnp.float32),
-                            vmap_method="sequential")(
+  values = kernel_call(_DECODE, jax.ShapeDtypeStruct((rows, shape[-1]), jnp.float32),
+                       vmap_method="sequential")(
       codes.reshape(rows, -1), first, col, table, rank1=np.bool_(rank1))
   return values.reshape(shape)
 
@@ -110,7 +111,7 @@ def encode(x: jax.Array, spec: QuantSpec, layout: normalize.Layout, scales: Opti
                                          maps.midpoint_thresholds(spec.mapping, 4, spec.signed)]))
     seeds = jnp.zeros((1,), jnp.uint32) if seed is None else jnp.reshape(seed, (1,))
     bases = jnp.zeros((rows,), jnp.uint32) if row_bases is None else row_bases
-    codes, block_scales = jax.ffi.ffi_call(
+    codes, block_scales = kernel_call(
         _ENCODE_BLOCK,
         (jax.ShapeDtypeStruct((rows, shape[-1] // 2), jnp.uint8),
          jax.ShapeDtypeStruct((rows, shape[-1] // 128), jnp.float32)),
@@ -122,7 +123,7 @@ def encode(x: jax.Array, spec: QuantSpec, layout: normalize.Layout, scales: Opti
   if spec.mapping not in _RANK1_MAPS or spec.stochastic or spec.signed or scales is None:
     return None
   thresholds = jnp.asarray(maps.midpoint_thresholds(spec.mapping, 4, False))
-  codes = jax.ffi.ffi_call(_ENCODE_RANK1, jax.ShapeDtypeStruct((rows, shape[-1] // 2), jnp.uint8),
-                           vmap_method="sequential")(
+  codes = kernel_call(_ENCODE_RANK1, jax.ShapeDtypeStruct((rows, shape[-1] // 2), jnp.uint8),
+                      vmap_method="sequential")(
       x, scales[0], scales[1], thresholds, linear=np.bool_(spec.mapping == "Linear"))
   return codes, tuple(scales)

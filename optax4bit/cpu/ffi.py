@@ -70,6 +70,7 @@ import optax
 
 from optax4bit import sharding as _sharding
 from optax4bit._steps import adam_coefficients, momentum_coefficients
+from optax4bit.cpu.kernel_call import kernel_call
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.spec import QuantSpec
@@ -375,7 +376,7 @@ def _tables_of(m: QuantizedArray, v: QuantizedArray):
 
 def _stats_call(grad, m: QuantizedArray, v: QuantizedArray, coef):
   row, col = v.scales
-  return jax.ffi.ffi_call(
+  return kernel_call(
       _STATS_TARGET,
       (jax.ShapeDtypeStruct(row.shape, jnp.float32), jax.ShapeDtypeStruct(col.shape, jnp.float32)),
       vmap_method="sequential")(grad, v.codes, row, col, coef, _tables_of(m, v))
@@ -404,7 +405,7 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
                jax.ShapeDtypeStruct(m.codes.shape, jnp.uint8),
                jax.ShapeDtypeStruct(block_scales.shape, jnp.float32),
                jax.ShapeDtypeStruct(v.codes.shape, jnp.uint8))
-  return jax.ffi.ffi_call(
+  return kernel_call(
       _APPLY_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
       vmap_method="sequential")(grad, m.codes, block_scales, v.codes, row, col, new_row,
                                 new_col, coef, _tables_of(m, v), seeds, row_bases,
@@ -467,7 +468,7 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
   out_types = (jax.ShapeDtypeStruct(g.shape, jnp.float32),
                jax.ShapeDtypeStruct(m.codes.shape, jnp.uint8),
                jax.ShapeDtypeStruct(block_scales.shape, jnp.float32))
-  update, codes, block_scales = jax.ffi.ffi_call(
+  update, codes, block_scales = kernel_call(
       _FIRST_MOMENT_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2},
       vmap_method="sequential")(g, m.codes, block_scales, coef,
                                 jnp.asarray(_first_moment_tables(m.spec.mapping)), seed,
@@ -485,7 +486,7 @@ def _apply_8bit_call(grad, m: QuantizedArray, v: QuantizedArray, coef, nesterov:
                jax.ShapeDtypeStruct(v.codes.shape, jnp.uint8),
                jax.ShapeDtypeStruct(v_scales.shape, jnp.float32))
   mappings = (m.spec.mapping, v.spec.mapping)
-  return jax.ffi.ffi_call(
+  return kernel_call(
       _APPLY_8BIT_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3, 4: 4},
       vmap_method="sequential")(grad, m.codes, m_scales, v.codes, v_scales, coef,
                                 jnp.asarray(_tables_8bit(*mappings)),
