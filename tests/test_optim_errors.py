@@ -237,6 +237,7 @@ def test_optax_inject_hyperparams_needs_static_args(factory):
 
 
 @pytest.mark.skipif(not optax4bit.cpu.available(), reason="the C++ CPU kernel is not built")
+@pytest.mark.usefixtures("cpu_default_device")  # traced for the CPU on a GPU machine too
 @pytest.mark.parametrize("factory", [
     lambda: optax4bit.adamw_4bit(1e-3, implementation="cpu"),
     lambda: optax4bit.sgdm_4bit(1e-2, implementation="cpu"),
