@@ -28,8 +28,9 @@ __all__ = ["kernel_call", "on_cpu_only"]
 
 _ON_CPU_ONLY = Primitive("optax4bit_cpu_kernel_operand")
 _ON_CPU_ONLY.def_abstract_eval(lambda x: x)
-# Outside a trace the primitive compiles itself, so the same lowering decides.
-_ON_CPU_ONLY.def_impl(lambda x: jax.jit(_ON_CPU_ONLY.bind)(x))
+# Outside a trace the primitive compiles itself (once per shape), so the same
+# lowering decides.
+_ON_CPU_ONLY.def_impl(jax.jit(_ON_CPU_ONLY.bind))
 batching.primitive_batchers[_ON_CPU_ONLY] = lambda args, dims: (_ON_CPU_ONLY.bind(*args),
                                                                 dims[0])
 
