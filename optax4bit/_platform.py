@@ -1,10 +1,15 @@
-"""The platform an update traced now will run on, for ``implementation="auto"``."""
+"""Platforms: the one an update traced now will run on, for
+``implementation="auto"`` (`default_platform`), and a check, when a
+computation is compiled, that a kernel is compiled for a platform it runs on
+(`compiled_only_for`)."""
 
 from __future__ import annotations
 
 import jax
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
-__all__ = ["default_platform"]
+__all__ = ["compiled_only_for", "default_platform"]
 
 
 def default_platform() -> str:
@@ -19,3 +24,45 @@ def default_platform() -> str:
   if isinstance(device, str):
     device = jax.devices(device)[0]
   return device.platform
+
+
+# The kernels are chosen when the update is traced, but the platform is known
+# only when it is compiled (committed arrays, jax.export): XLA would then fail
+# with its own words ("No FFI handler registered ... CUDA", "Only interpret mode
+# is supported on CPU backend"), which name neither optax4bit nor the argument
+# to change. An identity primitive on a kernel's operand lowers to nothing where
+# the kernel runs and raises the library's error elsewhere.
+_COMPILED_ONLY_FOR = Primitive("optax4bit_compiled_only_for")
+_COMPILED_ONLY_FOR.def_abstract_eval(lambda x, **_: x)
+
+
+def _lower(ctx, x, *, platforms, error):
+  compiled_for = tuple(ctx.module_context.platforms)
+  if not set(compiled_for) <= set(platforms):
+    raise ValueError(error.format(platforms=", ".join(repr(p) for p in compiled_for)))
+  return [x]
+
+
+mlir.register_lowering(_COMPILED_ONLY_FOR, _lower)
+batching.primitive_batchers[_COMPILED_ONLY_FOR] = (
+    lambda args, dims, **params: (_COMPILED_ONLY_FOR.bind(*args, **params), dims[0]))
+# Outside a trace the primitive compiles itself (once per shape and params), so
+# the same lowering decides.
+_COMPILED_ONLY_FOR.def_impl(jax.jit(lambda x, **params: _COMPILED_ONLY_FOR.bind(x, **params),
+                                    static_argnames=("platforms", "error")))
+
+
+def compiled_only_for(x: jax.Array, platforms: tuple, error: str) -> jax.Array:
+  """``x`` itself, in a computation compiled for ``platforms`` (XLA's names:
+  ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``); compiled for any other, a
+  `ValueError` with the message ``error``, formatted with ``platforms``: the
+  ones it was compiled for.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax4bit._platform import compiled_only_for
+    >>> x = compiled_only_for(jnp.ones(2), ("cpu",), "needs a CPU, not {platforms}")
+    >>> x.tolist()
+    [1.0, 1.0]
+  """
+  return _COMPILED_ONLY_FOR.bind(x, platforms=tuple(platforms), error=error)

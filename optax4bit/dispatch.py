@@ -15,11 +15,13 @@ Every optimizer of the library takes ``implementation=``:
 * ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
   construction if it is not installed, and a `ValueError` naming
   ``implementation`` where the update is compiled for a GPU
-  (`optax4bit.cpu.kernel_call`).
+  (`optax4bit._platform.compiled_only_for`).
   ``jax.export`` refuses its custom calls (no serialization compatibility
   guarantee): use ``"jnp"`` for an update you export on CPU.
 * ``"pallas"``: the Pallas kernels, lowered through Triton
-  (``jax.experimental.pallas.triton.CompilerParams``); needs a CUDA GPU.
+  (``jax.experimental.pallas.triton.CompilerParams``); needs a CUDA GPU (a
+  `ValueError` naming ``implementation`` where the update is compiled for
+  another platform).
 * ``"pallas_interpret"``: the same kernels in Pallas interpret mode, on any
   backend (slow; for tests).
 * a `PallasConfig`: interpret mode and tiling options.

@@ -255,3 +255,14 @@ def test_cpu_kernel_compiled_for_a_gpu_names_implementation(factory):
   assert "custom_call @optax4bit_" in step.lower(params, state).as_text()  # the kernel runs
   with pytest.raises(ValueError, match=r"implementation='cpu'.*compiled for 'cuda'"):
     jax.export.export(step, platforms=["cuda"])(params, state)
+
+
+@pytest.mark.usefixtures("cpu_default_device")
+def test_pallas_kernels_compiled_for_a_cpu_name_implementation():
+  """Compiled for the CPU, the Pallas (Triton) kernels raise optax4bit's error
+  instead of Pallas' "Only interpret mode is supported on CPU backend"."""
+  tx = optax4bit.adamw_4bit(1e-3, implementation="pallas")
+  params = {"w": jnp.zeros((32, 256))}
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"implementation='pallas'.*compiled for 'cpu'"):
+    jax.jit(lambda g, s: tx.update(g, s, params))(params, state)

@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit._platform import compiled_only_for
 from optax4bit.pallas import _operands
 from optax4bit.pallas._geometry import (
     DEFAULT_NUM_WARPS,
@@ -326,10 +327,20 @@ def _kernel(plan: _Plan, fn: Callable, stats_pass: bool, triton: bool, *refs):
     plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
 
 
+_COMPILED_FOR_CPU_ERROR = (
+    "optax4bit's Pallas kernels (implementation='pallas', or 'auto' traced while the default "
+    "device was a GPU) compile for GPUs only, and this computation is compiled for {platforms}. "
+    "Pass implementation='auto' with the arrays' device as the default device, 'jnp', or "
+    "'pallas_interpret' (the kernels in interpret mode, slow).")
+
+
 def _call(plan: _Plan, fn, stats_pass: bool, inputs: list, out_shapes: list, aliases: dict,
           options: "Options"):
   kernel = functools.partial(_kernel, plan, fn, stats_pass, not options.interpret)
   pl, plgpu = _pallas()
+  if not options.interpret:
+    inputs = [compiled_only_for(inputs[0], ("cuda", "rocm"), _COMPILED_FOR_CPU_ERROR),
+              *inputs[1:]]
   return pl.pallas_call(
       kernel,
       out_shape=out_shapes,
