@@ -5,7 +5,7 @@
 #   OUT=/tmp/gpu_session bash benchmarks/gpu_session.sh
 #
 # Stages: the machine (GPU, CPU, versions); gpu_step.py's Pallas == jnp check and the
-# 110M step timings; the GPU-relevant tests; and, beside them on two other pinned cores,
+# 110M step timings; the offloaded state's device memory; the GPU-relevant tests; and, beside them on two other pinned cores,
 # the C++ CPU kernel built there and timed on that machine's CPU (every ISA path it has).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
@@ -36,6 +36,12 @@ timeout "${GPU_STEP_SECONDS:-280}" taskset -c "$gpu_cores" $PY benchmarks/gpu_st
   "pallas adamw_4bit offloaded" "pallas adamw_4bit_factor" \
   --json "$OUT/gpu_step.json" > "$OUT/gpu_step.txt" 2>&1
 echo "gpu_step exit $?" >> "$OUT/gpu_step.txt"
+
+# The offloaded state's device memory, compiled for this GPU (compile only; never measured
+# on a GPU before 2026-11-26).
+timeout "${OFFLOAD_SECONDS:-90}" taskset -c "$gpu_cores" $PY benchmarks/offload_memory.py \
+  --configs 124M > "$OUT/offload_memory.txt" 2>&1
+echo "offload_memory exit $?" >> "$OUT/offload_memory.txt"
 
 # The files that ran on an H100 (2026-11-25), about 3 minutes with -n 12; the sharding and
 # GSPMD files need several devices.
