@@ -5,8 +5,9 @@
 #   OUT=/tmp/gpu_session bash benchmarks/gpu_session.sh
 #
 # Stages: the machine (GPU, CPU, versions); gpu_step.py's Pallas == jnp check and the
-# 110M step timings; the offloaded state's device memory; the GPU-relevant tests; and, beside them on two other pinned cores,
-# the C++ CPU kernel built there and timed on that machine's CPU (every ISA path it has).
+# 110M step timings; the offloaded state's device memory; the tests; and, beside them on
+# two other pinned cores, the C++ CPU kernel built there and timed on that machine's CPU
+# (every ISA path it has).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 PY=${PYTHON:-python3}
