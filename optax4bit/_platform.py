@@ -43,13 +43,25 @@ def _lower(ctx, x, *, platforms, error):
   return [x]
 
 
+def _check_eager(x, *, platforms, error):
+  """Outside a trace: an array's devices decide (``"gpu"`` for CUDA and ROCm
+  devices) and ``x`` is returned as it is; anything else goes through the
+  lowering (a jitted identity, which would copy an array)."""
+  if not isinstance(x, jax.Array):
+    return _compiled_identity(x, platforms=platforms, error=error)
+  allowed = {"gpu" if p in ("cuda", "rocm") else p for p in platforms}
+  on = {device.platform for device in x.devices()}
+  if not on <= allowed:
+    raise ValueError(error.format(platforms=", ".join(repr(p) for p in sorted(on))))
+  return x
+
+
 mlir.register_lowering(_COMPILED_ONLY_FOR, _lower)
 batching.primitive_batchers[_COMPILED_ONLY_FOR] = (
     lambda args, dims, **params: (_COMPILED_ONLY_FOR.bind(*args, **params), dims[0]))
-# Outside a trace the primitive compiles itself (once per shape and params), so
-# the same lowering decides.
-_COMPILED_ONLY_FOR.def_impl(jax.jit(lambda x, **params: _COMPILED_ONLY_FOR.bind(x, **params),
-                                    static_argnames=("platforms", "error")))
+_compiled_identity = jax.jit(lambda x, **params: _COMPILED_ONLY_FOR.bind(x, **params),
+                             static_argnames=("platforms", "error"))
+_COMPILED_ONLY_FOR.def_impl(_check_eager)
 
 
 def compiled_only_for(x: jax.Array, platforms: tuple, error: str) -> jax.Array:
