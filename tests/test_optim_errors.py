@@ -266,3 +266,14 @@ def test_pallas_kernels_compiled_for_a_cpu_name_implementation():
   state = tx.init(params)
   with pytest.raises(ValueError, match=r"implementation='pallas'.*compiled for 'cpu'"):
     jax.jit(lambda g, s: tx.update(g, s, params))(params, state)
+
+
+@pytest.mark.usefixtures("cpu_default_device")
+def test_platform_check_outside_a_trace_reads_the_array_devices():
+  """Eager kernel calls (an update without jit) are checked by the operand's
+  devices and pass it on uncopied."""
+  from optax4bit._platform import compiled_only_for  # pylint: disable=import-outside-toplevel
+  x = jnp.ones((4, 128))
+  assert compiled_only_for(x, ("cpu",), "unused") is x
+  with pytest.raises(ValueError, match=r"^on 'cpu'$"):
+    compiled_only_for(x, ("cuda", "rocm"), "on {platforms}")
