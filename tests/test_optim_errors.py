@@ -9,6 +9,7 @@ import pytest
 
 import optax4bit
 from optax4bit import QuantSpec
+from optax4bit._platform import compiled_only_for
 
 PARAMS = {"w": jnp.ones((64, 128)), "b": jnp.ones(3)}
 GRADS = {"w": jnp.full((64, 128), 0.1), "b": jnp.full(3, 0.1)}
@@ -272,7 +273,6 @@ def test_pallas_kernels_compiled_for_a_cpu_name_implementation():
 def test_platform_check_outside_a_trace_reads_the_array_devices():
   """Eager kernel calls (an update without jit) are checked by the operand's
   devices and pass it on uncopied."""
-  from optax4bit._platform import compiled_only_for  # pylint: disable=import-outside-toplevel
   x = jnp.ones((4, 128))
   assert compiled_only_for(x, ("cpu",), "unused") is x
   with pytest.raises(ValueError, match=r"^on 'cpu'$"):
