@@ -38,8 +38,8 @@ timeout "${GPU_STEP_SECONDS:-280}" taskset -c "$gpu_cores" $PY benchmarks/gpu_st
   --json "$OUT/gpu_step.json" > "$OUT/gpu_step.txt" 2>&1
 echo "gpu_step exit $?" >> "$OUT/gpu_step.txt"
 
-# The offloaded state's device memory, compiled for this GPU (compile only; never measured
-# on a GPU before 2026-11-26).
+# The offloaded state's device memory, compiled for this GPU (compile only; first measured
+# on an H200 on 2026-11-26, RESULTS.md "Host offload on XLA:GPU").
 timeout "${OFFLOAD_SECONDS:-90}" taskset -c "$gpu_cores" $PY benchmarks/offload_memory.py \
   --configs 124M > "$OUT/offload_memory.txt" 2>&1
 echo "offload_memory exit $?" >> "$OUT/offload_memory.txt"
