@@ -66,6 +66,11 @@ def offload_state(tx: optax.GradientTransformation,
   holds the state only while the step runs, at the cost of moving it to the
   device and back once per step.
 
+  On a GPU this does not yet save device memory for a 4-bit state: XLA:GPU
+  (JAX 0.11) compiles the offloaded step with a higher peak than the step
+  without offload, and JAX 0.10's XLA:GPU rejects it. The README's "Offloading
+  the optimizer state to host memory" has the figures.
+
   Works with any ``optax.GradientTransformation`` (optax4bit's 4-bit and
   factored optimizers, plain optax ones, chains), with sharded params (each
   array keeps its sharding, only its memory kind changes) and with
