@@ -175,3 +175,47 @@ def test_sharded_on_8_devices():
   results = run_json(os.path.join(TESTS, "offload_checks.py"))
   failed = {k: v for k, v in results.items() if v is not True}
   assert not failed, failed
+
+
+def _gpu_target_device():
+  """A device of an H100 target for XLA's deviceless compile, or a skip reason.
+
+  Needs jax's CUDA plugin (``jax-cuda12-plugin`` and the CUDA runtime wheels),
+  not a GPU; without the plugin the test is skipped.
+  """
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(TESTS), "benchmarks", "gpu_target_h100.txtpb")
+  with open(path) as f:
+    target = f.read()
+  try:
+    return topologies.get_topology_desc(
+        "h100", "cuda", target_config=target, topology="1x1x1").devices[0]
+  except Exception as error:  # no CUDA plugin here: jax raises several kinds
+    pytest.skip(f"no deviceless XLA:GPU compile here (jax's CUDA plugin): {error}")
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "jnp"])
+@pytest.mark.parametrize("name", ["adamw_4bit", "adamw_4bit_factor"])
+def test_offloaded_step_compiles_for_a_gpu(name, implementation):
+  # XLA:GPU in jaxlib 0.10 rejected an offloaded 4-bit step ("Copy-start ... doesn't
+  # have correct host memory space color S(5)"): the new state came out of an in-place
+  # kernel or an optimization_barrier straight into a move to host.
+  device = _gpu_target_device()
+  tx = offload.offload_state(getattr(optax4bit, name)(1e-3, implementation=implementation))
+  params = {"w": jax.ShapeDtypeStruct((512, 768), jnp.float32), "b": jax.ShapeDtypeStruct(
+      (768,), jnp.float32)}
+
+  def abstract(tree, kind):
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        tree)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = abstract(jax.eval_shape(tx.init, params), "pinned_host")
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+      abstract(params, "device"), state, abstract(params, "device")).compile()
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  assert compiled.memory_analysis().host_argument_size_in_bytes == state_bytes
