@@ -81,12 +81,19 @@ GB = 1e9
 # its new state going back (2 x its mu + nu); "leaf": the largest single state
 # leaf once; "none": nothing (a lower bound). Set by --inflight.
 INFLIGHT = "moments"
+# The device of a GPU target (--gpu-target) to compile for instead of this machine's.
+TARGET_DEVICE = None
 OFFLOADED = "_offloaded"  # suffix: the optimizer wrapped in optax4bit.offload_state
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_4bit_factor",
               "adamw_4bit" + OFFLOADED)
 LABELS = {"adamw": "fp32 AdamW (optax)", "adamw_8bit": "8-bit AdamW",
-          "adamw_4bit": "4-bit AdamW", "adamw_4bit_factor": "4-bit Factor",
-          "adamw_4bit" + OFFLOADED: "4-bit AdamW, state offloaded"}
+          "adamw_4bit": "4-bit AdamW", "adamw_4bit_factor": "4-bit Factor"}
+
+
+def label(opt_name: str) -> str:
+  if opt_name.endswith(OFFLOADED):
+    return LABELS[opt_name[:-len(OFFLOADED)]] + ", state offloaded"
+  return LABELS[opt_name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +174,8 @@ def make_optimizer(name: str) -> optax.GradientTransformation:
     return optax4bit.offload_state(make_optimizer(name[:-len(OFFLOADED)]), "pinned_host")
   if name == "adamw":
     return optax.adamw(1e-4)
+  if TARGET_DEVICE is not None:  # `auto` follows the default device, here the CPU
+    return getattr(optax4bit, name)(1e-4, implementation="pallas")
   return getattr(optax4bit, name)(1e-4)
 
 
@@ -214,10 +223,13 @@ def step_memory(cfg: GPTConfig, opt_name: str) -> dict:
   offloaded = opt_name.endswith(OFFLOADED)
   params = param_shapes(cfg)
   opt_state = jax.eval_shape(tx.init, params)
-  if offloaded:
-    params = offload_memory._abstract(params, "device")  # pylint: disable=protected-access
-    opt_state = offload_memory._abstract(opt_state, "pinned_host")  # pylint: disable=protected-access
   tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32)
+  if offloaded or TARGET_DEVICE is not None:
+    # pylint: disable=protected-access
+    params = offload_memory._abstract(params, "device", TARGET_DEVICE)
+    opt_state = offload_memory._abstract(opt_state, "pinned_host" if offloaded else "device",
+                                         TARGET_DEVICE)
+    tokens = offload_memory._abstract(tokens, "device", TARGET_DEVICE)
 
   def train_step(params, opt_state, tokens):
     loss, grads = jax.value_and_grad(loss_fn)(params, tokens, cfg)
@@ -238,7 +250,12 @@ def step_memory(cfg: GPTConfig, opt_name: str) -> dict:
        "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
        "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
        "total_bytes": total, "compile_s": seconds}
-  if offloaded:
+  if offloaded and m.host_argument_size_in_bytes:
+    # XLA:GPU: the fields count device memory only, the state in flight included.
+    r.update(host_argument_bytes=m.host_argument_size_in_bytes,
+             host_output_bytes=m.host_output_size_in_bytes, inflight_term="compiled",
+             inflight_bytes=0, device_bytes_without_inflight=total)
+  elif offloaded:
     host_arg = offload_memory.host_argument_bytes(compiled)
     host_out, host_alias = host_output_bytes(compiled)
     leaf, param_state = inflight_bytes(opt_state)
@@ -263,7 +280,7 @@ class MemoryCache:
     if key not in self.results:
       r = step_memory(cfg, opt_name)
       self.results[key] = r
-      self.log(f"    {LABELS[opt_name]}, {cfg.n_layer} x {cfg.d_model}: "
+      self.log(f"    {label(opt_name)}, {cfg.n_layer} x {cfg.d_model}: "
                f"{r['params'] / 1e9:.2f}B params, total {r['total_bytes'] / GB:.2f} GB "
                f"(compile {r['compile_s']:.0f} s)")
     return self.results[key]
@@ -318,7 +335,7 @@ def plot(path: str, rows: list) -> None:
     ax.bar(x, st, bottom=p, label="optimizer state")
     ax.bar(x, tmp, bottom=p + st, label="temp: grads, activations, transients")
     ax.bar(x, rest, bottom=p + st + tmp, label="other (batch, loss; offloaded: in-flight state)")
-    ax.set_xticks(x, [LABELS[o].replace(" (optax)", "") for o in opts], rotation=30,
+    ax.set_xticks(x, [label(o).replace(" (optax)", "") for o in opts], rotation=30,
                   ha="right", fontsize=8)
     ax.set_title(name, fontsize=9)
     ax.set_ylabel("GB (1e9 bytes)")
@@ -333,7 +350,7 @@ def plot(path: str, rows: list) -> None:
 
 
 def main(argv=None) -> dict:
-  global INFLIGHT  # pylint: disable=global-statement
+  global INFLIGHT, TARGET_DEVICE  # pylint: disable=global-statement
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--budgets", type=float, nargs="+", default=[24, 80], help="GB (1e9)")
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
@@ -345,10 +362,17 @@ def main(argv=None) -> dict:
                                                    "training_memory.json"))
   parser.add_argument("--plot", default=os.path.join(ROOT, "benchmarks", "plots",
                                                     "training_memory.png"))
+  parser.add_argument(
+      "--gpu-target", metavar="TXTPB",
+      help="compile for the GPU this GpuTargetConfigProto text describes, without one "
+           "(benchmarks/gpu_target_h100.txtpb; see benchmarks/offload_memory.py); the "
+           "state in flight is then the compiler's, not --inflight's")
   parser.add_argument("--replot", action="store_true",
                       help="only redraw --plot from the results saved in --out (no compiling)")
   args = parser.parse_args(argv)
   INFLIGHT = args.inflight
+  if args.gpu_target:
+    TARGET_DEVICE = offload_memory.gpu_target_device(args.gpu_target)
   if args.replot:
     with open(args.out) as f:
       saved = json.load(f)
@@ -357,7 +381,7 @@ def main(argv=None) -> dict:
   start = time.perf_counter()
   env = (f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, "
          f"Python {platform.python_version()}, jax {jax.__version__}, "
-         f"compiled for {jax.devices()[0].platform}")
+         f"compiled for {(TARGET_DEVICE or jax.devices()[0]).device_kind}")
   print(f"# Training-step memory, compile-only ({env})", flush=True)
   log = lambda s: print(s, flush=True)  # noqa: E731
   out = {"environment": env, "inflight": INFLIGHT}
@@ -374,7 +398,7 @@ def main(argv=None) -> dict:
         r = mem(cfg, opt)
         rows.append(r)
         host = " in host memory" if opt.endswith(OFFLOADED) else ""
-        lines.append(f"| {cfg.name} | {r['params'] / 1e6:,.0f}M | {LABELS[opt]} "
+        lines.append(f"| {cfg.name} | {r['params'] / 1e6:,.0f}M | {label(opt)} "
                      f"| {r['state_bytes'] / GB:.2f} GB ({r['state_bytes'] / r['params']:.2f} "
                      f"B/param){host} | {(r['param_bytes'] + r['state_bytes']) / GB:.2f} GB "
                      f"| {r['temp_bytes'] / GB:.2f} GB | {r['total_bytes'] / GB:.2f} GB |")
@@ -394,9 +418,9 @@ def main(argv=None) -> dict:
              "| k+1 would need |", "|---|---|---|---|---|---|"]
     for r in found:
       if r["k"] is None:
-        lines.append(f"| {LABELS[r['optimizer']]} | {r['budget_gb']:g} GB | none | | | |")
+        lines.append(f"| {label(r['optimizer'])} | {r['budget_gb']:g} GB | none | | | |")
         continue
-      lines.append(f"| {LABELS[r['optimizer']]} | {r['budget_gb']:g} GB "
+      lines.append(f"| {label(r['optimizer'])} | {r['budget_gb']:g} GB "
                    f"| {r['k']} ({r['k']} x {128 * r['k']}) | {r['params'] / 1e9:.2f}B "
                    f"| {r['total_bytes'] / GB:.1f} GB | {r['next_k_total_bytes'] / GB:.1f} GB |")
     print()
