@@ -5,9 +5,9 @@
 #   OUT=/tmp/gpu_session bash benchmarks/gpu_session.sh
 #
 # Stages: the machine (GPU, CPU, versions); gpu_step.py's Pallas == jnp check and the
-# 110M step timings; the offloaded state's device memory; the tests; and, beside them on
-# two other pinned cores, the C++ CPU kernel built there and timed on that machine's CPU
-# (every ISA path it has).
+# 110M step timings; the offloaded state's device memory (synthetic and GPT steps); the
+# tests; and, beside them on two other pinned cores, the C++ CPU kernel built there and
+# timed on that machine's CPU (every ISA path it has).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 PY=${PYTHON:-python3}
@@ -43,6 +43,13 @@ echo "gpu_step exit $?" >> "$OUT/gpu_step.txt"
 timeout "${OFFLOAD_SECONDS:-90}" taskset -c "$gpu_cores" $PY benchmarks/offload_memory.py \
   --configs 124M > "$OUT/offload_memory.txt" 2>&1
 echo "offload_memory exit $?" >> "$OUT/offload_memory.txt"
+
+# The GPT step with and without the 4-bit state offloaded, compiled for this GPU (measured
+# only for an H100 target with JAX 0.10.2 so far: RESULTS.md "Host offload on XLA:GPU").
+timeout "${TRAINING_MEMORY_SECONDS:-150}" taskset -c "$gpu_cores" $PY benchmarks/training_memory.py \
+  --skip-search --optimizers adamw_4bit adamw_4bit_offloaded --out "$OUT/training_memory.json" \
+  --plot "$OUT/training_memory.png" > "$OUT/training_memory.txt" 2>&1
+echo "training_memory exit $?" >> "$OUT/training_memory.txt"
 
 # The files that ran on an H100 (2026-11-25), about 3 minutes with -n 12; the sharding and
 # GSPMD files need several devices.
