@@ -178,7 +178,7 @@ def test_sharded_on_8_devices():
 
 
 def _gpu_target_device():
-  """A device of an H100 target for XLA's deviceless compile, or a skip reason.
+  """A device of an H100 target for XLA's deviceless compile; skips the test without one.
 
   Needs jax's CUDA plugin (``jax-cuda12-plugin`` and the CUDA runtime wheels),
   not a GPU; without the plugin the test is skipped.
