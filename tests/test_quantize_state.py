@@ -463,9 +463,15 @@ def update_temp_bytes(tx, params):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.xfail(jax.default_backend() == "gpu", strict=True, reason=(
-    "XLA:GPU does not keep the jnp chunked update in place: +3.9 B per added parameter "
-    "on an H100 (benchmarks/RESULTS.md, 'GPU step'); not fixed"))
+# Compiled for an H100 target with JAX 0.10.2 (no GPU), the growth is 0.04 B per added
+# parameter: the regression is XLA:GPU's from JAX 0.11 on.
+_JAX_VERSION = tuple(map(int, jax.__version__.split(".")[:2]))
+
+
+@pytest.mark.xfail(
+    jax.default_backend() == "gpu" and _JAX_VERSION >= (0, 11), strict=True, reason=(
+        "XLA:GPU of JAX >= 0.11 does not keep the jnp chunked update in place: +3.9 B per "
+        "added parameter on an H100 (benchmarks/RESULTS.md, 'GPU step'); not fixed"))
 def test_transient_memory_does_not_grow_with_the_model():
   def model(num_leaves):
     return {f"w{i}": jax.ShapeDtypeStruct((256, 512), jnp.float32) for i in range(num_leaves)}
