@@ -1,0 +1,99 @@
+"""What `gpu_step.py`'s jitted, donated update compiles to on a GPU: kernels, copies, loops.
+
+Compile-only. Counts, in the compiled step's entry computation, the Triton
+(Pallas) kernels, XLA fusions, copies and while loops, with the copies grouped
+by shape. Run it on a GPU, or on a machine without one with ``--gpu-target``
+(XLA's deviceless compile; see ``benchmarks/offload_memory.py`` for the
+plugin it needs):
+
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/gpu_step_kernels.py \\
+        --gpu-target benchmarks/gpu_target_h100.txtpb
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_step  # noqa: E402  (SIZES, gpt_shapes, _is_shape)
+import offload_memory  # noqa: E402  (gpu_target_device, _abstract)
+
+import optax4bit  # noqa: E402
+
+OPTIMIZERS = {
+    "optax.adamw": lambda: optax.adamw(1e-3),
+    "adamw_4bit": lambda: optax4bit.adamw_4bit(1e-3, implementation="pallas"),
+    "adamw_4bit paper recipe": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
+                                                            implementation="pallas"),
+    "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="pallas"),
+}
+
+
+def _instructions(computation: str):
+  """(shape, opcode) of each instruction line ``%name = SHAPE opcode(...)``."""
+  for line in computation.splitlines():
+    match = re.match(r"\s*(?:ROOT )?%\S+ = (.*)", line)
+    if not match:
+      continue
+    rest, depth = match.group(1), 0
+    for end, char in enumerate(rest):  # a tuple shape holds spaces: skip to its end
+      depth += {"(": 1, ")": -1}.get(char, 0) if rest[0] == "(" else 0
+      if depth == 0 and char == " ":
+        break
+    opcode = re.match(r"\s*([a-z-]+)\(", rest[end:])
+    if opcode:
+      yield rest[:end], opcode.group(1)
+
+
+def entry_counts(hlo: str) -> dict:
+  """Kernels, copies and loops of an optimized HLO module's entry computation."""
+  entry = hlo[hlo.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}\n")]
+  instructions = list(_instructions(entry))
+  ops = collections.Counter(opcode for _, opcode in instructions)
+  triton = len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', entry))
+  copies = collections.Counter(shape for shape, opcode in instructions if opcode == "copy")
+  return {"triton kernels": triton, "fusions": ops["fusion"], "copies": ops["copy"],
+          "while loops": ops["while"], "copied shapes": dict(copies.most_common(6))}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", default="100M", choices=list(gpu_step.SIZES))
+  parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
+                      choices=list(OPTIMIZERS))
+  parser.add_argument("--gpu-target", metavar="TXTPB",
+                      help="compile for this GpuTargetConfigProto text, without a GPU")
+  args = parser.parse_args(argv)
+  device = (offload_memory.gpu_target_device(args.gpu_target) if args.gpu_target
+            else jax.devices()[0])
+  shapes, treedef = jax.tree.flatten(gpu_step.gpt_shapes(**gpu_step.SIZES[args.size]),
+                                     is_leaf=gpu_step._is_shape)  # pylint: disable=protected-access
+  params = offload_memory._abstract(  # pylint: disable=protected-access
+      treedef.unflatten([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]), "device",
+      device)
+  print(f"jax {jax.__version__}, compiled for {device.device_kind}, {args.size} float32 "
+        f"params, params, state and gradients donated as in gpu_step.py")
+  for name in args.optimizers:
+    tx = OPTIMIZERS[name]()
+    state = offload_memory._abstract(  # pylint: disable=protected-access
+        jax.eval_shape(tx.init, params), "device", device)
+
+    def step(params, state, grads, tx=tx):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, params).compile()
+    print(f"{name}: {entry_counts(compiled.as_text())}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
