@@ -129,9 +129,10 @@ def _chunk_side(side: tuple, num_rows: int, start, rows) -> tuple:
       for s in side)
 
 
-# A leaf this small (the float32 ones that `min_quantize_size` keeps, by default) runs in
+# A float32-state leaf this small (those that `min_quantize_size` keeps, by default) runs in
 # one piece: its fresh update buffer is at most 16 KiB, where a loop costs a GPU a few
-# kernel launches per chunk.
+# kernel launches per chunk. Quantized leaves keep their chunks, whose rounding the C++
+# kernel reproduces bit for bit.
 SMALL_LEAF_SIZE = 4096
 
 
@@ -186,7 +187,8 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
   num_rows = grad.shape[0] if grad.ndim else 1
   rows = _chunk_rows(grad.shape, plans, chunk_size) if grad.ndim else num_rows
   halves = _chunk_rows(grad.shape, plans, 0) * 2 if grad.ndim else 0
-  small = (grad.size if leaf_size is None else leaf_size) <= SMALL_LEAF_SIZE
+  small = ((grad.size if leaf_size is None else leaf_size) <= SMALL_LEAF_SIZE
+           and not any(plan.quantized for plan in plans))
   if halves and num_rows >= halves and not small:
     # At least two chunks: XLA turns a one-trip loop into straight-line code
     # whose update is a fresh buffer, live until the caller applies it.
