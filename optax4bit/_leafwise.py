@@ -129,13 +129,6 @@ def _chunk_side(side: tuple, num_rows: int, start, rows) -> tuple:
       for s in side)
 
 
-# A float32-state leaf this small (those that `min_quantize_size` keeps, by default) runs in
-# one piece: its fresh update buffer is at most 16 KiB, where a loop costs a GPU a few
-# kernel launches per chunk. Quantized leaves keep their chunks, whose rounding the C++
-# kernel reproduces bit for bit.
-SMALL_LEAF_SIZE = 4096
-
-
 def _materialized(tree):
   """Keeps XLA from fusing the step into the maxima that follow: a reduction
   fused with a long elementwise producer is not vectorized on CPU (10-20x
@@ -146,7 +139,7 @@ def _materialized(tree):
 
 def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = (),
                 keys: Optional[tuple] = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                reduce_scales: Optional[Callable] = None, leaf_size: Optional[int] = None):
+                reduce_scales: Optional[Callable] = None):
   """Runs ``step_fn`` over one leaf; returns ``(update, new_moments)``.
 
   A leaf whose sharding is known (explicit sharding types, or a concrete
@@ -168,8 +161,6 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
     reduce_scales: ``(scales, layout) -> scales``, applied to every newly
       computed rank-1 or tensor scale of a whole (local) leaf; set per shard
       to take the maxima over the other shards.
-    leaf_size: elements of the whole leaf when ``grad`` is one shard of it
-      (a shard runs in one piece exactly when the whole leaf would).
   """
   keys = tuple(keys) if keys is not None else (None,) * len(moments)
   if reduce_scales is None:
@@ -178,7 +169,7 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
     if sharding is not None or auto:
       rebuild, consts = _sharding.hoist_partial(step_fn)
       # The row offset (a traced 0 that orders leaves) enters as a const too.
-      local = functools.partial(_local_update, rebuild, chunk_size, grad.size)
+      local = functools.partial(_local_update, rebuild, chunk_size)
       consts = consts + (jnp.asarray(_ROW_OFFSET.get(), jnp.int32),)
       if auto:  # Auto mesh axes: XLA's partitioner tells the sharding (`_gspmd`)
         return _gspmd.run_auto(local, grad, moments, side, keys, consts)
@@ -187,9 +178,7 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
   num_rows = grad.shape[0] if grad.ndim else 1
   rows = _chunk_rows(grad.shape, plans, chunk_size) if grad.ndim else num_rows
   halves = _chunk_rows(grad.shape, plans, 0) * 2 if grad.ndim else 0
-  small = ((grad.size if leaf_size is None else leaf_size) <= SMALL_LEAF_SIZE
-           and not any(plan.quantized for plan in plans))
-  if halves and num_rows >= halves and not small:
+  if halves and num_rows >= halves:
     # At least two chunks: XLA turns a one-trip loop into straight-line code
     # whose update is a fresh buffer, live until the caller applies it.
     rows = min(rows, num_rows // halves * (halves // 2))
@@ -245,13 +234,12 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
   return jax.lax.fori_loop(0, num_chunks, body, (grad, row_stats, totals))
 
 
-def _local_update(rebuild_step, chunk_size, leaf_size, grad, moments, side, keys, reduce_scales,
-                  consts):
+def _local_update(rebuild_step, chunk_size, grad, moments, side, keys, reduce_scales, consts):
   """`update_leaf` on one shard (see `optax4bit.sharding.per_shard`)."""
   token = _ROW_OFFSET.set(consts[-1])
   try:
     return update_leaf(rebuild_step(consts[:-1]), grad, moments, side, keys, chunk_size,
-                       reduce_scales, leaf_size)
+                       reduce_scales)
   finally:
     _ROW_OFFSET.reset(token)
 
