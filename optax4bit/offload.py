@@ -100,8 +100,10 @@ def offload_state(tx: optax.GradientTransformation,
   while it updates: each state leaf is moved whole, so a leaf's old and new
   state are there at once. With layers stacked into one leaf per weight (a
   scanned model) that can be a large share of a 4-bit state: 0.45 of 1.61 GB
-  at 1.5B params, compiled for an H100 (the README's "Offloading the optimizer
-  state to host memory").
+  at 1.5B params, compiled for an H100 with JAX 0.10. With JAX 0.11's XLA:GPU
+  the same step saved nothing (an H200 kept the moved state live on the
+  device; the README's "Offloading the optimizer state to host memory"):
+  check a step's ``memory_analysis()`` before relying on offload there.
 
   Works with any ``optax.GradientTransformation`` (optax4bit's 4-bit and
   factored optimizers, plain optax ones, chains), with sharded params (each
