@@ -42,22 +42,31 @@ def _fresh_to_host(tree, space):
   doesn't have correct host memory space color S(5)"). OR-ing each leaf's bits
   with a zero that XLA cannot fold makes the moved value an elementwise result,
   as plain optax's are: one pass over the new state in device memory, the bits
-  unchanged.
+  unchanged. The CPU, where host and device memory are one and the move is no
+  copy, skips that pass (it would only add temp memory there).
   """
-  zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.uint32))
+  leaves, treedef = jax.tree.flatten(tree)
+  positions = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
 
-  def move(x):
-    if not isinstance(x, jax.Array):
+  def fresh(arrays):
+    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.uint32))
+
+    def or_zero(x):
+      if jnp.issubdtype(x.dtype, jnp.integer):
+        return x | zero.astype(x.dtype)
+      if jnp.issubdtype(x.dtype, jnp.floating):
+        bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+        raw = jax.lax.bitcast_convert_type(x, bits) | zero.astype(bits)
+        return jax.lax.bitcast_convert_type(raw, x.dtype)
       return x
-    if jnp.issubdtype(x.dtype, jnp.integer):
-      x = x | zero.astype(x.dtype)
-    elif jnp.issubdtype(x.dtype, jnp.floating):
-      bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-      raw = jax.lax.bitcast_convert_type(x, bits) | zero.astype(bits)
-      x = jax.lax.bitcast_convert_type(raw, x.dtype)
-    return jax.device_put(x, space)
 
-  return jax.tree.map(move, tree)
+    return [or_zero(x) for x in arrays]
+
+  arrays = jax.lax.platform_dependent([leaves[i] for i in positions], cpu=lambda a: a,
+                                      default=fresh)
+  for i, x in zip(positions, arrays):
+    leaves[i] = jax.device_put(x, space)
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _to_host(tree, params, memory_kind: str):
