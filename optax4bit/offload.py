@@ -25,12 +25,6 @@ __all__ = ["MEMORY_KINDS", "offload_state"]
 MEMORY_KINDS = {"pinned_host": jax.memory.Space.Host}
 
 
-def _move(tree, space):
-  """``tree`` with every array leaf put into memory ``space`` (inside jit)."""
-  return jax.tree.map(
-      lambda x: jax.device_put(x, space) if isinstance(x, jax.Array) else x, tree)
-
-
 def _split_arrays(tree):
   """``(arrays, rebuild)``: the array leaves of ``tree`` and a function that
   returns ``tree`` with new ones in their places (other leaves kept as they are)."""
@@ -176,7 +170,7 @@ def offload_state(tx: optax.GradientTransformation,
     # 17.16 GB without offload).
     arrays, rebuild = _split_arrays(state)
     arrays, updates = jax.lax.optimization_barrier((arrays, updates))
-    state = _move(rebuild(arrays), jax.memory.Space.Device)
+    state = rebuild([jax.device_put(x, jax.memory.Space.Device) for x in arrays])
     updates, state = tx.update(updates, state, params, **extra_args)
     return updates, _fresh_to_host(state, host)
 

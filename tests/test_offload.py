@@ -10,7 +10,6 @@ sharded case runs on 8 virtual devices in a separate process
 from __future__ import annotations
 
 import doctest
-import functools
 import os
 import tempfile
 
@@ -51,15 +50,19 @@ def _grads(step, params):
       params)
 
 
-def _train(tx, steps):
-  """``steps`` donated jitted steps; returns params and state."""
-  params = _params()
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
+def _step_fn(tx):
+  """A training step's update: ``(params, state, grads) -> (params, state)``."""
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
+  return step
+
+
+def _train(tx, steps):
+  """``steps`` donated jitted steps; returns params and state."""
+  params = _params()
+  step = jax.jit(_step_fn(tx), donate_argnums=(0, 1))
   state = tx.init(params)
   for i in range(steps):
     params, state = step(params, state, _grads(i, params))
@@ -129,11 +132,7 @@ def test_checkpoint_round_trip_restores_into_host_memory():
   _assert_bitwise(restored, state)
   _assert_bitwise(plain, state)
   # Training resumes from the restored host state.
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
+  step = jax.jit(_step_fn(tx), donate_argnums=(0, 1))
   _, new_state = step(restored["params"], restored["opt_state"], _grads(2, params))
   assert _memory_kinds(new_state) == {"pinned_host"}
 
@@ -210,12 +209,8 @@ def test_offloaded_step_compiles_for_a_gpu(name, implementation):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                         tree)
 
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
   state = abstract(jax.eval_shape(tx.init, params), "pinned_host")
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+  compiled = jax.jit(_step_fn(tx), donate_argnums=(0, 1)).lower(
       abstract(params, "device"), state, abstract(params, "device")).compile()
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
   assert compiled.memory_analysis().host_argument_size_in_bytes == state_bytes
@@ -229,11 +224,7 @@ def test_offload_adds_no_temp_memory_on_the_cpu(name):
   params = _params()
 
   def temp_bytes(tx):
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+    compiled = jax.jit(_step_fn(tx), donate_argnums=(0, 1)).lower(
         params, tx.init(params), params).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
