@@ -197,8 +197,12 @@ def test_isolated_build_in_a_fresh_venv(tmp_path):
 # The baseline (portable C++) row functions of the kernel, one stats and one
 # apply pass over a 4x256 leaf, both recipes; prints a hash of every output.
 _ROWS_CHECK = r"""
-// One stats pass and one apply pass of the baseline rows (StatsRows, ApplyRows) over a 4x256 leaf; prints an
-// FNV-1a hash of every output (update, codes, scales, maxima) per recipe.
+// The baseline rows over a 4x256 leaf: one stats and one apply pass of 4-bit Adam (StatsRows,
+// ApplyRows) per recipe, the first-moment rows (FirstMomentRows: momentum, Nesterov momentum,
+// factored Adam) and, given the 8-bit tables file, 8-bit Adam's rows (Apply8bitRows). Prints an
+// FNV-1a hash of every output (update, codes, scales, maxima) per case.
+// Arguments: the gradient's tiny scale for every seventh element (0, or 1e-36 for subnormals),
+// the old block scales (0: the moments' first step), the 8-bit tables file (optional).
 #include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
 #include "benchmarks/row_pass_args.h"
 
@@ -206,29 +210,39 @@ _ROWS_CHECK = r"""
 #include <cstring>
 
 template <typename T>
-uint64_t Fnv(uint64_t h, const T* p, size_t n) {
-  const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
-  for (size_t i = 0; i < n * sizeof(T); ++i) h = (h ^ b[i]) * 1099511628211ull;
+uint64_t Fnv(uint64_t h, const std::vector<T>& x) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(x.data());
+  for (size_t i = 0; i < x.size() * sizeof(T); ++i) h = (h ^ b[i]) * 1099511628211ull;
   return h;
 }
 
 int main(int argc, char** argv) {
   const float tiny = argc > 1 ? std::strtof(argv[1], nullptr) : 0.0f;
+  const float old_scale = argc > 2 ? std::strtof(argv[2], nullptr) : 0.01f;
   const int64_t rows = 4, d = 256, h = d / 2, blocks = h / kBlockBytes;
+  uint32_t state = 12345u;
+  auto next = [&state] { return state = state * 1664525u + 1013904223u; };
+  auto gradient = [&] {
+    std::vector<float> g(rows * d);
+    for (float& x : g) x = ((next() >> 8) / 16777216.0f - 0.5f) * 0.02f;
+    for (int64_t i = 0; i < rows * d; i += 7) g[i] *= tiny;  // subnormal for tiny = 1e-36
+    return g;
+  };
+  auto codes = [&](int64_t n) {
+    std::vector<uint8_t> c(n);
+    for (uint8_t& x : c) x = next() >> 24;
+    return c;
+  };
+  std::fprintf(stderr, "baseline lanes %d\n", baseline::kLanes);
+  FlushDenormals flush;
+  std::vector<float> scratch(3 * d);
   for (int recipe = 0; recipe < 2; ++recipe) {
     const bool m_stochastic = recipe == 1, v_linear = recipe == 0;
-    uint32_t state = 12345u;
-    auto next = [&state] { return state = state * 1664525u + 1013904223u; };
-    std::vector<float> g(rows * d), m_scales(rows * blocks, 0.01f), v_rows(rows, 1e-4f);
-    for (float& x : g) x = ((next() >> 8) / 16777216.0f - 0.5f) * 0.02f;
-    for (int64_t i = 0; i < rows * d; i += 7) g[i] *= tiny;  // denormal for tiny = 1e-36
-    std::vector<uint8_t> m_codes(rows * h), v_codes(rows * h);
-    for (uint8_t& x : m_codes) x = next() >> 24;
-    for (uint8_t& x : v_codes) x = next() >> 24;
+    std::vector<float> g = gradient(), m_scales(rows * blocks, old_scale), v_rows(rows, 1e-4f);
+    std::vector<uint8_t> m_codes = codes(rows * h), v_codes = codes(rows * h);
     RowPassArgs args(rows, h, v_linear);
-    std::vector<float> v(d), scratch(3 * d), new_m_scales(rows * blocks), row_max(rows);
+    std::vector<float> v(d), new_m_scales(rows * blocks), row_max(rows);
     std::vector<uint32_t> col_max(d);
-    FlushDenormals flush;
     baseline::StatsRows(args.Stats(g.data(), v_rows.data(), v_codes.data(), row_max.data()), 0,
                         rows, v.data(), col_max.data());
     const ApplyRowsArgs apply = args.Apply(g.data(), v_rows.data(), m_codes.data(),
@@ -236,13 +250,76 @@ int main(int argc, char** argv) {
                                            m_stochastic);
     baseline::ApplyRows(apply, 0, rows, scratch.data());
     uint64_t hash = 1469598103934665603ull;
-    hash = Fnv(hash, g.data(), g.size());
-    hash = Fnv(hash, m_codes.data(), m_codes.size());
-    hash = Fnv(hash, v_codes.data(), v_codes.size());
-    hash = Fnv(hash, new_m_scales.data(), new_m_scales.size());
-    hash = Fnv(hash, row_max.data(), row_max.size());
-    hash = Fnv(hash, col_max.data(), col_max.size());
-    std::printf("recipe %d %016llx first update %.9g\n", recipe, (unsigned long long)hash, g[0]);
+    for (uint64_t x : {Fnv(0, g), Fnv(0, m_codes), Fnv(0, v_codes), Fnv(0, new_m_scales),
+                       Fnv(0, row_max), Fnv(0, col_max)}) {
+      hash = (hash ^ x) * 1099511628211ull;
+    }
+    std::printf("adam recipe %d %016llx first update %.9g\n", recipe, (unsigned long long)hash,
+                g[0]);
+  }
+  const FirstMomentStep steps[] = {FirstMomentStep::kMomentum,
+                                   FirstMomentStep::kMomentumNesterov,
+                                   FirstMomentStep::kFactored};
+  for (int k = 0; k < 3; ++k) {
+    RowPassArgs args(rows, h, false);
+    std::vector<float> g = gradient(), m_scales(rows * blocks, old_scale),
+                       new_m_scales(rows * blocks), factor_rows(rows, 2e-4f), col(h, 5e-5f);
+    std::vector<uint8_t> m_codes = codes(rows * h);
+    FirstMomentRowsArgs a{};
+    a.h = h;
+    a.step = steps[k];
+    a.g = g.data();
+    a.out = g.data();
+    a.m_scales = m_scales.data();
+    a.m_scales_out = new_m_scales.data();
+    a.m_table = args.m_table();
+    a.m_codes = m_codes.data();
+    a.m_out = m_codes.data();
+    a.row_base = args.row_base.data();
+    a.m_seed = 777u;
+    a.m_stochastic = k != 0;
+    a.momentum = 0.9f;
+    a.c = args.c;
+    a.factor_rows = factor_rows.data();
+    a.col_even = a.col_odd = col.data();
+    a.factor_positive = true;
+    a.factor_inverse = 1.0f / 2e-4f;
+    baseline::FirstMomentRows(a, 0, rows, scratch.data());
+    const uint64_t hash = Fnv(Fnv(Fnv(1469598103934665603ull, g), m_codes), new_m_scales);
+    std::printf("first moment step %d %016llx first update %.9g\n", k, (unsigned long long)hash,
+                g[0]);
+  }
+  if (argc > 3) {
+    std::vector<float> tables(kTables8Size);
+    std::vector<int32_t> buckets(2 * kBucketTableSize);
+    FILE* f = std::fopen(argv[3], "rb");
+    if (f == nullptr || std::fread(tables.data(), 4, tables.size(), f) != tables.size() ||
+        std::fread(buckets.data(), 4, buckets.size(), f) != buckets.size()) {
+      std::printf("cannot read %s\n", argv[3]);
+      return 1;
+    }
+    std::fclose(f);
+    const int64_t blocks8 = d / kBlock8;
+    RowPassArgs args(rows, h, false);
+    std::vector<float> g = gradient(), m_scales(rows * blocks8, old_scale),
+                       v_scales(rows * blocks8, 1e-4f);
+    std::vector<uint8_t> m_codes = codes(rows * d), v_codes = codes(rows * d);
+    Apply8bitRowsArgs a{};
+    a.h = h;
+    a.g = a.out = g.data();
+    a.m_scales = a.m_scales_out = m_scales.data();
+    a.v_scales = a.v_scales_out = v_scales.data();
+    a.m_table = tables.data();
+    a.v_table = tables.data() + 256;
+    a.m_codes = a.m_out = m_codes.data();
+    a.v_codes = a.v_out = v_codes.data();
+    a.m_buckets = buckets.data();
+    a.v_buckets = buckets.data() + kBucketTableSize;
+    a.c = args.c;
+    baseline::Apply8bitRows(a, 0, rows, scratch.data());
+    const uint64_t hash = Fnv(Fnv(Fnv(Fnv(Fnv(1469598103934665603ull, g), m_codes), v_codes),
+                                  m_scales), v_scales);
+    std::printf("adam 8-bit %016llx first update %.9g\n", (unsigned long long)hash, g[0]);
   }
   return 0;
 }
@@ -260,11 +337,18 @@ def _cross_tools():
                            "g++-aarch64-linux-gnu, qemu-user-static)")
 def test_aarch64_rows_match_the_native_baseline_under_qemu(tmp_path):
   """Cross-compiled for aarch64 (static) with the flags of setup.py and run
-  under qemu-user, the row functions write bit for bit what the native
-  baseline path writes."""
+  under qemu-user, the row functions (there NEON code, 4 lanes) write bit for
+  bit what the native baseline path writes: 4-bit Adam (both recipes), the
+  first-moment steps and 8-bit Adam, with subnormal gradients flushed as XLA
+  flushes them (on the moments' first step, where they reach the update)."""
   import jaxlib  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from optax4bit.cpu import ffi  # pylint: disable=import-outside-toplevel
   native_cxx, cross_cxx, qemu = _cross_tools()
   (tmp_path / "rows_check.cc").write_text(_ROWS_CHECK)
+  tables8 = tmp_path / "tables8.bin"
+  tables8.write_bytes(ffi._tables_8bit("DE", "DE").astype(np.float32).tobytes() +
+                      ffi._buckets("DE", "DE").astype(np.int32).tobytes())
   flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
            f"-I{Path(jaxlib.__file__).parent / 'include'}", f"-I{ROOT}", "rows_check.cc"]
   builds = [subprocess.Popen([cxx, *flags, *extra], cwd=tmp_path, stderr=subprocess.PIPE,
@@ -274,7 +358,13 @@ def test_aarch64_rows_match_the_native_baseline_under_qemu(tmp_path):
   for build in builds:
     stderr = build.communicate(timeout=600)[1]
     assert build.returncode == 0, stderr[-4000:]
-  for scale in ("0", "1e-36"):  # every seventh gradient zero, or denormal
-    native = _run([str(tmp_path / "native"), scale]).stdout
-    emulated = _run([qemu, str(tmp_path / "aarch64"), scale]).stdout
-    assert len(native.splitlines()) == 2 and emulated == native, (scale, native, emulated)
+  # Every seventh gradient 0 or subnormal; old block scales 0.01, or 0 (the
+  # first step, where a subnormal gradient left unflushed reaches the update).
+  for tiny, old_scale in (("0", "0.01"), ("1e-36", "0.01"), ("1e-36", "0")):
+    args = [tiny, old_scale, str(tables8)]
+    native = _run([str(tmp_path / "native"), *args])
+    emulated = _run([qemu, str(tmp_path / "aarch64"), *args])
+    assert native.stderr.split() == ["baseline", "lanes", "16"], native.stderr
+    assert emulated.stderr.split() == ["baseline", "lanes", "4"], emulated.stderr
+    assert len(native.stdout.splitlines()) == 6, native.stdout
+    assert emulated.stdout == native.stdout, (args, native.stdout, emulated.stdout)

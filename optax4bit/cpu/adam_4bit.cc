@@ -28,7 +28,8 @@
 // 8-bit Adam (optax4bit.adamw_8bit: both moments B256/DE, 8 bits, nearest)
 // is one call, Adam8bitApply: its block scales need no statistics pass.
 // The row kernels are compiled once per ISA path (on x86-64 with GCC: AVX-512,
-// AVX2 and baseline x86-64; elsewhere the compiler's baseline). Calls run the
+// AVX2 and baseline x86-64; on aarch64 NEON code as its baseline; elsewhere
+// the compiler's baseline). Calls run the
 // best path this CPU runs unless Optax4bitUseCpuIsa picks another.
 //
 // The arithmetic is that of the jnp reference as XLA (jaxlib 0.10) compiles
@@ -73,6 +74,13 @@
 #include <immintrin.h>
 #endif
 
+// aarch64: the baseline path is NEON code, with 4-lane vectors and table
+// lookups by TBL (GCC lowers the 16-lane vectors' lookups lane by lane).
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define OPTAX4BIT_NEON 1
+#include <arm_neon.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -93,7 +101,8 @@ inline float InverseTimes4(float s) {
   return s > 0.0f ? r : 0.0f;
 }
 
-// XLA's CPU backend computes with subnormals flushed to zero.
+// XLA's CPU backend computes with subnormals flushed to zero: on x86 the
+// MXCSR's FTZ and DAZ bits, on aarch64 the FPCR's FZ bit (inputs and results).
 class FlushDenormals {
  public:
 #ifdef OPTAX4BIT_HAS_MXCSR
@@ -102,6 +111,15 @@ class FlushDenormals {
 
  private:
   unsigned saved_;
+#elif defined(__aarch64__)
+  FlushDenormals() {
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved_));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_ | (uint64_t{1} << 24)));
+  }
+  ~FlushDenormals() { __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_)); }
+
+ private:
+  uint64_t saved_;
 #endif
 };
 
@@ -217,7 +235,9 @@ struct Apply8bitRowsArgs {
 namespace avx512 {
 #define OPTAX4BIT_ROWS_AVX512 1
 #define OPTAX4BIT_ROWS_AVX2 0
+#define OPTAX4BIT_ROWS_NEON 0
 #include "isa_path_rows.h"
+#undef OPTAX4BIT_ROWS_NEON
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx512
@@ -227,7 +247,9 @@ namespace avx512 {
 namespace avx2 {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 1
+#define OPTAX4BIT_ROWS_NEON 0
 #include "isa_path_rows.h"
+#undef OPTAX4BIT_ROWS_NEON
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx2
@@ -236,7 +258,13 @@ namespace avx2 {
 namespace baseline {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 0
+#ifdef OPTAX4BIT_NEON
+#define OPTAX4BIT_ROWS_NEON 1
+#else
+#define OPTAX4BIT_ROWS_NEON 0
+#endif
 #include "isa_path_rows.h"
+#undef OPTAX4BIT_ROWS_NEON
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace baseline

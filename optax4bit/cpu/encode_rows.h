@@ -139,6 +139,10 @@ struct FirstMomentRounding {
         (uint8_t)cell_lowers[k];
     std::memcpy(&cell_lower.bytes[0], low_bytes[0], 32);
     std::memcpy(&cell_lower.bytes[1], low_bytes[1], 32);
+#elif OPTAX4BIT_ROWS_NEON
+    uint8_t low_bytes[kCells];
+    for (int k = 0; k < kCells; ++k) low_bytes[k] = (uint8_t)cell_lowers[k];
+    cell_lower.bytes = vld1q_u8_x2(low_bytes);
 #endif
   }
 

@@ -183,7 +183,9 @@ def _version_tuple(version: str) -> tuple:
 ISA_ENV = "OPTAX4BIT_CPU_ISA"
 # The ISA paths whose kernels (Adam, momentum, factored) beat the jnp path
 # (benchmarks/RESULTS.md); the baseline x86-64 path, without AVX2's 8-lane
-# permutes, does not.
+# permutes, does not. The baseline path of aarch64, NEON code, is not yet
+# timed against the jnp path on aarch64 hardware (only its instructions are
+# counted, under qemu): "auto" runs jnp there until it is.
 _FASTER_THAN_JNP = frozenset({"avx512", "avx2"})
 _library = None  # set by `_load`
 
@@ -248,8 +250,9 @@ def available() -> bool:
 def faster_than_jnp() -> bool:
   """Whether ``implementation="auto"`` runs the kernel on this CPU: where the
   ISA path it runs (`isa`) beats the jnp path (decided by ISA, never by
-  timing): AVX-512 and AVX2. Elsewhere the kernel is slower (issue 15) and
-  ``"auto"`` runs the jnp path; ``implementation="cpu"`` still forces the
+  timing): AVX-512 and AVX2. Elsewhere ``"auto"`` runs the jnp path: on
+  x86-64 without AVX2 the kernel is slower (issue 15), on aarch64 its NEON
+  path is not yet timed against it; ``implementation="cpu"`` still forces the
   kernel.
 
   Example:

@@ -3,15 +3,18 @@
 // isa_path_rows.h includes this file once per ISA path, inside that path's
 // namespace and under its `#pragma GCC target` (no include guard).
 // OPTAX4BIT_ROWS_AVX512 is 1 in the AVX-512 path, OPTAX4BIT_ROWS_AVX2 in the
-// AVX2 path.
+// AVX2 path, OPTAX4BIT_ROWS_NEON in the baseline path on aarch64.
 
 // Vectors of kLanes floats or ints (GCC/Clang vector extensions), as wide as
 // the path's registers: 16 lanes with AVX-512, where a 16-entry table lookup is
 // one permute (vpermps); 8 with AVX2, where it is two and a blend (wider
 // vectors than the registers GCC keeps in memory and permutes element by
-// element). The baseline path takes 16 lanes, as GCC lowers them.
+// element). NEON has 4, where a 16-entry lookup is one TBL of four
+// registers. The x86 baseline path takes 16 lanes, as GCC lowers them.
 #if OPTAX4BIT_ROWS_AVX2
 constexpr int kLanes = 8;
+#elif OPTAX4BIT_ROWS_NEON
+constexpr int kLanes = 4;
 #else
 constexpr int kLanes = 16;
 #endif
@@ -23,6 +26,9 @@ typedef uint8_t VB __attribute__((vector_size(kLanes)));
 #if OPTAX4BIT_ROWS_AVX2
 constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14};
 constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15};
+#elif OPTAX4BIT_ROWS_NEON
+constexpr VI kEven = {0, 2, 4, 6};
+constexpr VI kOdd = {1, 3, 5, 7};
 #else
 constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
@@ -32,6 +38,9 @@ constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 #if OPTAX4BIT_ROWS_AVX2
 constexpr VI kInterleaveLo = {0, 8, 1, 9, 2, 10, 3, 11};
 constexpr VI kInterleaveHi = {4, 12, 5, 13, 6, 14, 7, 15};
+#elif OPTAX4BIT_ROWS_NEON
+constexpr VI kInterleaveLo = {0, 4, 1, 5};
+constexpr VI kInterleaveHi = {2, 6, 3, 7};
 #else
 constexpr VI kInterleaveLo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
 constexpr VI kInterleaveHi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -56,6 +65,10 @@ inline VI LoadCodes(const uint8_t* p) {
   return (VI)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
 #elif OPTAX4BIT_ROWS_AVX2
   return (VI)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#elif OPTAX4BIT_ROWS_NEON
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return (VI)vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(word)))));
 #else
   VB v;
   std::memcpy(&v, p, sizeof(v));
@@ -63,7 +76,13 @@ inline VI LoadCodes(const uint8_t* p) {
 #endif
 }
 inline void StoreCodes(uint8_t* p, VI codes) {
-#if OPTAX4BIT_ROWS_AVX2
+#if OPTAX4BIT_ROWS_NEON
+  // Two narrowing moves (GCC extracts and inserts lane by lane).
+  const uint16x4_t halves = vmovn_u32((uint32x4_t)codes);
+  const uint8x8_t bytes = vmovn_u16(vcombine_u16(halves, halves));
+  const uint32_t word = vget_lane_u32(vreinterpret_u32_u8(bytes), 0);
+  std::memcpy(p, &word, sizeof(word));
+#elif OPTAX4BIT_ROWS_AVX2
   // The low bytes gathered by a byte shuffle per 128-bit lane and a permute
   // (GCC lowers the conversion below to one vpextrd, shift and or per lane).
   const __m256i low_bytes = _mm256_shuffle_epi8(
@@ -79,19 +98,31 @@ inline void StoreCodes(uint8_t* p, VI codes) {
 
 // A 16-entry table in registers (a map's entries or thresholds) and a
 // 32-entry one of ints.
+#if OPTAX4BIT_ROWS_NEON
+struct Table {
+  uint8x16x4_t bytes;  // the four registers TBL reads
+};
+#else
 struct Table {
   VF part[16 / kLanes];
 };
+#endif
 struct IntTable32 {
   VI part[32 / kLanes];
 #if OPTAX4BIT_ROWS_AVX2
   __m256i bytes[2];  // the low bytes of entries [0, 16) and [16, 32), in both lanes
+#elif OPTAX4BIT_ROWS_NEON
+  uint8x16x2_t bytes;  // the low bytes of the 32 entries
 #endif
 };
 
 inline Table LoadTable(const float* p) {
   Table t;
+#if OPTAX4BIT_ROWS_NEON
+  t.bytes = vld1q_u8_x4(reinterpret_cast<const uint8_t*>(p));
+#else
   std::memcpy(t.part, p, sizeof(t.part));
+#endif
   return t;
 }
 
@@ -117,6 +148,20 @@ inline VI Lookup(const IntTable32& t, VI index) {
   const __m256i r = _mm256_blendv_epi8(lo, hi, _mm256_cmpgt_epi32(i, _mm256_set1_epi32(15)));
   return (VI)_mm256_and_si256(r, _mm256_set1_epi32(0xFF));
 }
+#elif OPTAX4BIT_ROWS_NEON
+inline VF Lookup(const Table& t, VI index) {
+  // The bytes 4 index + (0, 1, 2, 3) of the 64-byte table, by one TBL.
+  const uint32x4_t offsets =
+      vmlaq_n_u32(vdupq_n_u32(0x03020100u), (uint32x4_t)index, 0x04040404u);
+  return (VF)vreinterpretq_f32_u8(vqtbl4q_u8(t.bytes, vreinterpretq_u8_u32(offsets)));
+}
+
+inline VI Lookup(const IntTable32& t, VI index) {
+  // Entries in [0, 256): the low byte by TBL; the index's upper bytes set to
+  // 0xFF are out of range, so TBL writes 0 there.
+  const uint32x4_t bytes = vorrq_u32((uint32x4_t)index, vdupq_n_u32(0xFFFFFF00u));
+  return (VI)vreinterpretq_u32_u8(vqtbl2q_u8(t.bytes, vreinterpretq_u8_u32(bytes)));
+}
 #else
 inline VF Lookup(const Table& t, VI index) { return __builtin_shuffle(t.part[0], index); }
 inline VI Lookup(const IntTable32& t, VI index) {
@@ -135,6 +180,8 @@ inline VF MulAddV(VF a, VF b, VF c) {
   return (VF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif OPTAX4BIT_ROWS_AVX2
   return (VF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif OPTAX4BIT_ROWS_NEON
+  return (VF)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
 #else
   float x[kLanes], y[kLanes], z[kLanes];
   std::memcpy(x, &a, sizeof(x));
@@ -161,6 +208,8 @@ inline VF SqrtV(VF x) {
   return (VF)_mm512_sqrt_ps((__m512)x);
 #elif OPTAX4BIT_ROWS_AVX2
   return (VF)_mm256_sqrt_ps((__m256)x);
+#elif OPTAX4BIT_ROWS_NEON
+  return (VF)vsqrtq_f32((float32x4_t)x);
 #else
   float y[kLanes];
   std::memcpy(y, &x, sizeof(y));
