@@ -1,0 +1,80 @@
+// Runs `passes` passes of one step's row kernels of one ISA path over a
+// leaf of 16 rows of 2048 float32 values, for benchmarks/
+// row_instruction_counts.py, which counts the instructions they execute
+// under qemu-user. ROWS_PATH names the path's namespace (avx2, baseline).
+// Arguments: the step (0: 4-bit Adam, paper recipe; 1: 4-bit Adam, default
+// recipe; 2: 4-bit momentum, stochastic rounding; 3: 8-bit Adam, which reads
+// its tables from the file named by the fourth argument) and the passes.
+#include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
+#include "benchmarks/row_pass_args.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+int main(int argc, char** argv) {
+  if (argc < 3) return 2;
+  const int step = std::atoi(argv[1]), passes = std::atoi(argv[2]);
+  const int64_t rows = 16, d = 2048, h = d / 2, blocks = h / kBlockBytes;
+  std::vector<float> g(rows * d), m_scales(rows * blocks, 0.01f), new_m_scales(rows * blocks),
+      v_rows(rows, 1e-4f), row_max(rows), v(d), scratch(3 * d);
+  for (int64_t i = 0; i < rows * d; ++i) g[i] = (float)((i * 2654435761u) % 1000) * 1e-5f - 5e-3f;
+  std::vector<uint8_t> m_codes(rows * d), v_codes(rows * d);
+  for (int64_t i = 0; i < rows * d; ++i) {
+    m_codes[i] = (uint8_t)(i * 37);
+    v_codes[i] = (uint8_t)(i * 91);
+  }
+  std::vector<uint32_t> col_max(d);
+  RowPassArgs args(rows, h, step == 0);
+  std::vector<float> tables8(kTables8Size), m_scales8(rows * (d / kBlock8), 0.01f),
+      v_scales8(rows * (d / kBlock8), 1e-4f);
+  std::vector<int32_t> buckets(2 * kBucketTableSize);
+  if (step == 3) {
+    FILE* f = argc > 3 ? std::fopen(argv[3], "rb") : nullptr;
+    if (f == nullptr || std::fread(tables8.data(), 4, tables8.size(), f) != tables8.size() ||
+        std::fread(buckets.data(), 4, buckets.size(), f) != buckets.size()) {
+      return 1;
+    }
+    std::fclose(f);
+  }
+  FlushDenormals flush;
+  for (int pass = 0; pass < passes; ++pass) {
+    if (step <= 1) {
+      ROWS_PATH::StatsRows(args.Stats(g.data(), v_rows.data(), v_codes.data(), row_max.data()),
+                           0, rows, v.data(), col_max.data());
+      ROWS_PATH::ApplyRows(args.Apply(g.data(), v_rows.data(), m_codes.data(), v_codes.data(),
+                                      m_scales.data(), new_m_scales.data(), step == 1),
+                           0, rows, scratch.data());
+    } else if (step == 2) {
+      FirstMomentRowsArgs a{};
+      a.h = h;
+      a.step = FirstMomentStep::kMomentum;
+      a.g = a.out = g.data();
+      a.m_scales = m_scales.data();
+      a.m_scales_out = new_m_scales.data();
+      a.m_table = args.m_table();
+      a.m_codes = a.m_out = m_codes.data();
+      a.row_base = args.row_base.data();
+      a.m_seed = 7u;
+      a.m_stochastic = true;
+      a.momentum = 0.9f;
+      a.c = args.c;
+      ROWS_PATH::FirstMomentRows(a, 0, rows, scratch.data());
+    } else {
+      Apply8bitRowsArgs a{};
+      a.h = h;
+      a.g = a.out = g.data();
+      a.m_scales = a.m_scales_out = m_scales8.data();
+      a.v_scales = a.v_scales_out = v_scales8.data();
+      a.m_table = tables8.data();
+      a.v_table = tables8.data() + 256;
+      a.m_codes = a.m_out = m_codes.data();
+      a.v_codes = a.v_out = v_codes.data();
+      a.m_buckets = buckets.data();
+      a.v_buckets = buckets.data() + kBucketTableSize;
+      a.c = args.c;
+      ROWS_PATH::Apply8bitRows(a, 0, rows, scratch.data());
+    }
+  }
+  std::printf("%.9g\n", g[5]);  // keeps the passes
+  return 0;
+}
