@@ -4,8 +4,8 @@ or on having the CPU at hand (aarch64 here).
 
 `row_instruction_counts.cc` is compiled with setup.py's flags, statically, for
 each target whose compiler and qemu exist here: aarch64 (the baseline path,
-NEON code there), x86-64 AVX2 and x86-64 baseline (qemu 7.2 emulates no
-AVX-512). qemu logs every translated block (``-d in_asm``) and every block it
+NEON code there; with GCC and with Clang), x86-64 AVX2 and x86-64 baseline
+(qemu 7.2 emulates no AVX-512). qemu logs every translated block (``-d in_asm``) and every block it
 runs (``-d exec,nochain``); the instructions of the blocks run, with 2 passes
 minus with 0 (the setup), over 2 x 16 x 2048 elements, give the count per
 element of one pass of each step: 4-bit Adam (stats and apply pass, paper and
@@ -16,8 +16,8 @@ executes 12x the AVX2 path's instructions per element (Adam) and takes 12-13x
 its time (benchmarks/RESULTS.md).
 
 Usage (from the repository root; needs g++, aarch64-linux-gnu-g++,
-qemu-aarch64-static and qemu-x86_64-static, Debian: g++-aarch64-linux-gnu,
-qemu-user-static):
+qemu-aarch64-static and qemu-x86_64-static, and clang++ for its row; Debian:
+g++-aarch64-linux-gnu, qemu-user-static, clang):
   python benchmarks/row_instruction_counts.py
   python benchmarks/row_instruction_counts.py --source /tmp/old  # another checkout's kernel
 """
@@ -40,18 +40,20 @@ from optax4bit.cpu import ffi  # noqa: E402  pylint: disable=wrong-import-positi
 
 STEPS = ("4-bit Adam, paper", "4-bit Adam, default", "4-bit momentum", "8-bit Adam")
 ROWS, COLUMNS = 16, 2048
-# target: (compiler, qemu, the path's namespace)
+# target: (compiler and its target flag, qemu, the path's namespace)
 TARGETS = {
-    "aarch64 baseline": ("aarch64-linux-gnu-g++", "qemu-aarch64-static", "baseline"),
-    "x86-64 avx2": ("g++", "qemu-x86_64-static", "avx2"),
-    "x86-64 baseline": ("g++", "qemu-x86_64-static", "baseline"),
+    "aarch64 baseline": (["aarch64-linux-gnu-g++"], "qemu-aarch64-static", "baseline"),
+    "aarch64 baseline, Clang": (["clang++", "--target=aarch64-linux-gnu"], "qemu-aarch64-static",
+                                "baseline"),
+    "x86-64 avx2": (["g++"], "qemu-x86_64-static", "avx2"),
+    "x86-64 baseline": (["g++"], "qemu-x86_64-static", "baseline"),
 }
 
 
-def _compile(cxx: str, path: str, source: str, out: str) -> None:
+def _compile(cxx: list, path: str, source: str, out: str) -> None:
   import jaxlib  # pylint: disable=import-outside-toplevel
   include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
-  subprocess.run([cxx, "-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno",
+  subprocess.run([*cxx, "-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno",
                   "-fno-trapping-math", f"-DROWS_PATH={path}", f"-I{include}", f"-I{source}",
                   f"-I{ROOT}", os.path.join(ROOT, "benchmarks", "row_instruction_counts.cc"),
                   "-static", "-o", out, "-lpthread"], check=True, capture_output=True)
@@ -93,10 +95,10 @@ def main() -> None:
       f.write(ffi._tables_8bit("DE", "DE").astype(np.float32).tobytes())  # pylint: disable=protected-access
       f.write(ffi._buckets("DE", "DE").astype(np.int32).tobytes())  # pylint: disable=protected-access
     for name, (cxx, qemu, path) in TARGETS.items():
-      if not (shutil.which(cxx) and shutil.which(qemu)):
-        print(f"| {name} | " + " | ".join(["(no {} or {})".format(cxx, qemu)] * len(STEPS)) + " |")
+      if not (shutil.which(cxx[0]) and shutil.which(qemu)):
+        print(f"| {name} | no {cxx[0]} or {qemu} |")
         continue
-      binary = os.path.join(tmp, name.replace(" ", "_").replace("(", "").replace(")", ""))
+      binary = os.path.join(tmp, "".join(c if c.isalnum() else "_" for c in name))
       _compile(cxx, path, source, binary)
       counts = []
       for step in range(len(STEPS)):

@@ -12,9 +12,10 @@ package falls back to the jnp path and logs one line.
 
 The slow test builds in a fresh virtual environment with ``build``'s default
 isolation (downloads setuptools and jaxlib) and installs the wheel with its
-dependencies there. The aarch64 test cross-compiles the kernel's portable row
-functions and runs them under qemu-user; it is skipped where the cross
-compiler or qemu is absent (Debian: g++-aarch64-linux-gnu, qemu-user-static).
+dependencies there. The aarch64 test cross-compiles the kernel's row
+functions and runs them under qemu-user, and builds them with Clang where it is
+installed; it is skipped where the cross compiler or qemu is absent (Debian:
+g++-aarch64-linux-gnu, qemu-user-static; clang).
 """
 
 from __future__ import annotations
@@ -335,12 +336,14 @@ def _cross_tools():
 @pytest.mark.skipif(_cross_tools() is None,
                     reason="needs g++, aarch64-linux-gnu-g++ and qemu-aarch64 (Debian: "
                            "g++-aarch64-linux-gnu, qemu-user-static)")
-def test_aarch64_rows_match_the_native_baseline_under_qemu(tmp_path):
+def test_aarch64_and_clang_rows_match_the_native_baseline(tmp_path):
   """Cross-compiled for aarch64 (static) with the flags of setup.py and run
   under qemu-user, the row functions (there NEON code, 4 lanes) write bit for
   bit what the native baseline path writes: 4-bit Adam (both recipes), the
   first-moment steps and 8-bit Adam, with subnormal gradients flushed as XLA
-  flushes them (on the moments' first step, where they reach the update)."""
+  flushes them (on the moments' first step, where they reach the update).
+  Where Clang is installed, its native and aarch64 builds (Apple's compiler on
+  macOS is Clang) write the same bits too."""
   import jaxlib  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from optax4bit.cpu import ffi  # pylint: disable=import-outside-toplevel
@@ -351,20 +354,27 @@ def test_aarch64_rows_match_the_native_baseline_under_qemu(tmp_path):
                       ffi._buckets("DE", "DE").astype(np.int32).tobytes())
   flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
            f"-I{Path(jaxlib.__file__).parent / 'include'}", f"-I{ROOT}", "rows_check.cc"]
-  builds = [subprocess.Popen([cxx, *flags, *extra], cwd=tmp_path, stderr=subprocess.PIPE,
-                             text=True)
-            for cxx, extra in ((native_cxx, ["-o", "native", "-lpthread"]),
-                               (cross_cxx, ["-static", "-o", "aarch64", "-lpthread"]))]
-  for build in builds:
+  # name: (compiler and target, how to run the program, the baseline path's lanes)
+  targets = {"native": ([native_cxx], [], 16), "aarch64": ([cross_cxx, "-static"], [qemu], 4)}
+  clang = shutil.which("clang++")
+  if clang:
+    targets["native-clang"] = ([clang], [], 16)
+    targets["aarch64-clang"] = ([clang, "--target=aarch64-linux-gnu", "-static"], [qemu], 4)
+  builds = {name: subprocess.Popen([*cxx, *flags, "-o", name, "-lpthread"], cwd=tmp_path,
+                                   stderr=subprocess.PIPE, text=True)
+            for name, (cxx, _, _) in targets.items()}
+  for name, build in builds.items():
     stderr = build.communicate(timeout=600)[1]
-    assert build.returncode == 0, stderr[-4000:]
+    assert build.returncode == 0, (name, stderr[-4000:])
   # Every seventh gradient 0 or subnormal; old block scales 0.01, or 0 (the
   # first step, where a subnormal gradient left unflushed reaches the update).
   for tiny, old_scale in (("0", "0.01"), ("1e-36", "0.01"), ("1e-36", "0")):
     args = [tiny, old_scale, str(tables8)]
-    native = _run([str(tmp_path / "native"), *args])
-    emulated = _run([qemu, str(tmp_path / "aarch64"), *args])
-    assert native.stderr.split() == ["baseline", "lanes", "16"], native.stderr
-    assert emulated.stderr.split() == ["baseline", "lanes", "4"], emulated.stderr
-    assert len(native.stdout.splitlines()) == 6, native.stdout
-    assert emulated.stdout == native.stdout, (args, native.stdout, emulated.stdout)
+    outputs = {}
+    for name, (_, runner, lanes) in targets.items():
+      result = _run([*runner, str(tmp_path / name), *args])
+      assert result.stderr.split() == ["baseline", "lanes", str(lanes)], (name, result.stderr)
+      outputs[name] = result.stdout
+    assert len(outputs["native"].splitlines()) == 6, outputs["native"]
+    for name, stdout in outputs.items():
+      assert stdout == outputs["native"], (args, name, outputs["native"], stdout)

@@ -23,7 +23,7 @@ void NewSecondMoment(int64_t h, const float* __restrict g, const uint8_t* __rest
     const VI byte = LoadCodes(codes + j);
     PrefetchAhead(g + 2 * j);
     const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
-    const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+    const VF ge = EvenOf(ga, gb), go = OddOf(ga, gb);
     const VF ce = LoadV(col_even + j), co = LoadV(col_odd + j);
     const VF se = row < ce ? row : ce, so = row < co ? row : co;
     const VF c = VF{} + one_minus_b2;
@@ -191,7 +191,7 @@ __attribute__((always_inline)) inline bool MomentsAndUpdate(const ApplyRowsArgs&
       const VI m_byte = LoadCodes(m_codes + j), v_byte = LoadCodes(v_codes + j);
       PrefetchAhead(g + 2 * j);
       const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
-      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      const VF ge = EvenOf(ga, gb), go = OddOf(ga, gb);
       const VF me = MulAddV(VF{} + c.one_minus_b1, ge, c.b1 * (Lookup(m_table, m_byte & 15) * s));
       const VF mo = MulAddV(VF{} + c.one_minus_b1, go, c.b1 * (Lookup(m_table, m_byte >> 4) * s));
       const VF ce = LoadV(a.col_even + j), co = LoadV(a.col_odd + j);

@@ -40,8 +40,8 @@ inline VI Gather(const int32_t* table, VI index) {
 // The codes of 2 kLanes consecutive elements, split into even and odd ones.
 inline void LoadCodes8(const uint8_t* p, VI& even, VI& odd) {
   const VI a = LoadCodes(p), b = LoadCodes(p + kLanes);
-  even = __builtin_shuffle(a, b, kEven);
-  odd = __builtin_shuffle(a, b, kOdd);
+  even = EvenOf(a, b);
+  odd = OddOf(a, b);
 }
 
 // Codes interleaved as 16-bit words even | odd << 8 (GCC turns a shuffle or
@@ -114,7 +114,7 @@ void NewMoment8(int64_t h, const float* __restrict g, const uint8_t* __restrict 
       LoadCodes8(codes + 2 * j, ce, co);
       if constexpr (!kSquare) PrefetchAhead(g + 2 * j);  // g's first read
       const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
-      VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      VF ge = EvenOf(ga, gb), go = OddOf(ga, gb);
       if constexpr (kSquare) {
         ge = ge * ge;
         go = go * go;

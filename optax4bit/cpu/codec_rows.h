@@ -13,8 +13,8 @@ void SplitRow(int64_t h, const float* __restrict row, float* __restrict x) {
   for (int64_t j = 0; j < h; j += kLanes) {
     PrefetchAhead(row + 2 * j);
     const VF a = LoadV(row + 2 * j), b = LoadV(row + 2 * j + kLanes);
-    StoreV(x + j, __builtin_shuffle(a, b, kEven));
-    StoreV(x + h + j, __builtin_shuffle(a, b, kOdd));
+    StoreV(x + j, EvenOf(a, b));
+    StoreV(x + h + j, OddOf(a, b));
   }
 }
 
@@ -32,7 +32,7 @@ void DecodeRow(int64_t h, const uint8_t* __restrict codes, const float* __restri
     } else {
       const VF row = VF{} + scales[0];
       const VF ca = LoadV(col_scales + 2 * j), cb = LoadV(col_scales + 2 * j + kLanes);
-      const VF ce = __builtin_shuffle(ca, cb, kEven), co = __builtin_shuffle(ca, cb, kOdd);
+      const VF ce = EvenOf(ca, cb), co = OddOf(ca, cb);
       se = row < ce ? row : ce;
       so = row < co ? row : co;
     }

@@ -22,7 +22,7 @@ __attribute__((always_inline)) inline void MomentumT(
       const VI byte = LoadCodes(codes + j);
       PrefetchAhead(g + 2 * j);
       const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
-      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      const VF ge = EvenOf(ga, gb), go = OddOf(ga, gb);
       const VF te = MulAddV(Lookup(table, byte & 15) * s, mu, ge);
       const VF to = MulAddV(Lookup(table, byte >> 4) * s, mu, go);
       StoreV(t + j, te);
@@ -68,7 +68,7 @@ void RestartFactoredOverflow(int64_t h, const float* __restrict g, float* __rest
                              float* __restrict m) {
   for (int64_t j = 0; j < h; j += kLanes) {
     const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
-    const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+    const VF ge = EvenOf(ga, gb), go = OddOf(ga, gb);
     StoreV(out + 2 * j, ga * ga == INFINITY ? ga * 0.0f : LoadV(out + 2 * j));
     StoreV(out + 2 * j + kLanes, gb * gb == INFINITY ? gb * 0.0f : LoadV(out + 2 * j + kLanes));
     StoreV(m + j, ge * ge == INFINITY ? VF{} : LoadV(m + j));
@@ -107,7 +107,7 @@ bool FactoredMomentsAndUpdate(const FirstMomentRowsArgs& a, int64_t i, const Tab
       const VF ga = LoadV(g + 2 * j), gb = LoadV(g + 2 * j + kLanes);
       StoreV(g_copy + 2 * j, ga);
       StoreV(g_copy + 2 * j + kLanes, gb);
-      const VF ge = __builtin_shuffle(ga, gb, kEven), go = __builtin_shuffle(ga, gb, kOdd);
+      const VF ge = EvenOf(ga, gb), go = OddOf(ga, gb);
       VF me = MulAddV(VF{} + c.one_minus_b1, ge, c.b1 * (Lookup(m_table, byte & 15) * s));
       VF mo = MulAddV(VF{} + c.one_minus_b1, go, c.b1 * (Lookup(m_table, byte >> 4) * s));
       const VF ve = positive ? (row * LoadV(a.col_even + j)) * inverse : VF{};

@@ -52,10 +52,73 @@ inline VF LoadV(const float* p) {
   return v;
 }
 inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Constant shuffles of two vectors a, b (2 kLanes values, a's then b's): GCC's
+// __builtin_shuffle takes the lane order as a vector, Clang's
+// __builtin_shufflevector as constants.
+#ifdef __clang__
+// The even elements of a then b.
+template <typename V>
+inline V EvenOf(V a, V b) {
+  if constexpr (kLanes == 4) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6);
+  } else if constexpr (kLanes == 8) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+  } else {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                   30);
+  }
+}
+// The odd elements of a then b.
+template <typename V>
+inline V OddOf(V a, V b) {
+  if constexpr (kLanes == 4) {
+    return __builtin_shufflevector(a, b, 1, 3, 5, 7);
+  } else if constexpr (kLanes == 8) {
+    return __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+  } else {
+    return __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                   31);
+  }
+}
+// Even elements e and odd elements o back in order: the first and second
+// kLanes of them.
+template <typename V>
+inline V InterleavedLo(V e, V o) {
+  if constexpr (kLanes == 4) {
+    return __builtin_shufflevector(e, o, 0, 4, 1, 5);
+  } else if constexpr (kLanes == 8) {
+    return __builtin_shufflevector(e, o, 0, 8, 1, 9, 2, 10, 3, 11);
+  } else {
+    return __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  }
+}
+template <typename V>
+inline V InterleavedHi(V e, V o) {
+  if constexpr (kLanes == 4) {
+    return __builtin_shufflevector(e, o, 2, 6, 3, 7);
+  } else if constexpr (kLanes == 8) {
+    return __builtin_shufflevector(e, o, 4, 12, 5, 13, 6, 14, 7, 15);
+  } else {
+    return __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15,
+                                   31);
+  }
+}
+#else
+template <typename V>
+inline V EvenOf(V a, V b) { return __builtin_shuffle(a, b, kEven); }
+template <typename V>
+inline V OddOf(V a, V b) { return __builtin_shuffle(a, b, kOdd); }
+template <typename V>
+inline V InterleavedLo(V e, V o) { return __builtin_shuffle(e, o, kInterleaveLo); }
+template <typename V>
+inline V InterleavedHi(V e, V o) { return __builtin_shuffle(e, o, kInterleaveHi); }
+#endif
+
 // Stores the even elements e and odd elements o of 2 kLanes values in order.
 inline void StoreInterleaved(float* out, VF e, VF o) {
-  StoreV(out, __builtin_shuffle(e, o, kInterleaveLo));
-  StoreV(out + kLanes, __builtin_shuffle(e, o, kInterleaveHi));
+  StoreV(out, InterleavedLo(e, o));
+  StoreV(out + kLanes, InterleavedHi(e, o));
 }
 // kLanes code bytes widened to ints: one vpmovzxbd where the path has it (GCC
 // turns a direct uint8 -> int32 conversion into scalar code, and the one
@@ -161,6 +224,19 @@ inline VI Lookup(const IntTable32& t, VI index) {
   // 0xFF are out of range, so TBL writes 0 there.
   const uint32x4_t bytes = vorrq_u32((uint32x4_t)index, vdupq_n_u32(0xFFFFFF00u));
   return (VI)vreinterpretq_u32_u8(vqtbl2q_u8(t.bytes, vreinterpretq_u8_u32(bytes)));
+}
+#elif defined(__clang__)
+// Lane by lane: Clang has no shuffle by a run-time lane order (its x86
+// build has the baseline path only, which "auto" does not run).
+inline VF Lookup(const Table& t, VI index) {
+  VF r;
+  for (int k = 0; k < kLanes; ++k) r[k] = t.part[0][index[k]];
+  return r;
+}
+inline VI Lookup(const IntTable32& t, VI index) {
+  VI r;
+  for (int k = 0; k < kLanes; ++k) r[k] = t.part[index[k] / kLanes][index[k] % kLanes];
+  return r;
 }
 #else
 inline VF Lookup(const Table& t, VI index) { return __builtin_shuffle(t.part[0], index); }
