@@ -8,7 +8,6 @@
 #include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
 #include "benchmarks/row_pass_args.h"
 
-#include <cstdio>
 #include <cstdlib>
 
 int main(int argc, char** argv) {
@@ -25,17 +24,10 @@ int main(int argc, char** argv) {
   }
   std::vector<uint32_t> col_max(d);
   RowPassArgs args(rows, h, step == 0);
-  std::vector<float> tables8(kTables8Size), m_scales8(rows * (d / kBlock8), 0.01f),
+  std::vector<float> tables8, m_scales8(rows * (d / kBlock8), 0.01f),
       v_scales8(rows * (d / kBlock8), 1e-4f);
-  std::vector<int32_t> buckets(2 * kBucketTableSize);
-  if (step == 3) {
-    FILE* f = argc > 3 ? std::fopen(argv[3], "rb") : nullptr;
-    if (f == nullptr || std::fread(tables8.data(), 4, tables8.size(), f) != tables8.size() ||
-        std::fread(buckets.data(), 4, buckets.size(), f) != buckets.size()) {
-      return 1;
-    }
-    std::fclose(f);
-  }
+  std::vector<int32_t> buckets;
+  if (step == 3 && (argc < 4 || !ReadTables8(argv[3], tables8, buckets))) return 1;
   FlushDenormals flush;
   for (int pass = 0; pass < passes; ++pass) {
     if (step <= 1) {
@@ -45,34 +37,15 @@ int main(int argc, char** argv) {
                                       m_scales.data(), new_m_scales.data(), step == 1),
                            0, rows, scratch.data());
     } else if (step == 2) {
-      FirstMomentRowsArgs a{};
-      a.h = h;
-      a.step = FirstMomentStep::kMomentum;
-      a.g = a.out = g.data();
-      a.m_scales = m_scales.data();
-      a.m_scales_out = new_m_scales.data();
-      a.m_table = args.m_table();
-      a.m_codes = a.m_out = m_codes.data();
-      a.row_base = args.row_base.data();
-      a.m_seed = 7u;
-      a.m_stochastic = true;
-      a.momentum = 0.9f;
-      a.c = args.c;
-      ROWS_PATH::FirstMomentRows(a, 0, rows, scratch.data());
+      ROWS_PATH::FirstMomentRows(args.FirstMoment(FirstMomentStep::kMomentum, g.data(),
+                                                  m_scales.data(), new_m_scales.data(),
+                                                  m_codes.data(), true),
+                                 0, rows, scratch.data());
     } else {
-      Apply8bitRowsArgs a{};
-      a.h = h;
-      a.g = a.out = g.data();
-      a.m_scales = a.m_scales_out = m_scales8.data();
-      a.v_scales = a.v_scales_out = v_scales8.data();
-      a.m_table = tables8.data();
-      a.v_table = tables8.data() + 256;
-      a.m_codes = a.m_out = m_codes.data();
-      a.v_codes = a.v_out = v_codes.data();
-      a.m_buckets = buckets.data();
-      a.v_buckets = buckets.data() + kBucketTableSize;
-      a.c = args.c;
-      ROWS_PATH::Apply8bitRows(a, 0, rows, scratch.data());
+      ROWS_PATH::Apply8bitRows(args.Apply8bit(g.data(), m_scales8.data(), v_scales8.data(),
+                                              m_codes.data(), v_codes.data(), tables8.data(),
+                                              buckets.data()),
+                               0, rows, scratch.data());
     }
   }
   std::printf("%.9g\n", g[5]);  // keeps the passes

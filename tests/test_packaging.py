@@ -264,60 +264,31 @@ int main(int argc, char** argv) {
   for (int k = 0; k < 3; ++k) {
     RowPassArgs args(rows, h, false);
     std::vector<float> g = gradient(), m_scales(rows * blocks, old_scale),
-                       new_m_scales(rows * blocks), factor_rows(rows, 2e-4f), col(h, 5e-5f);
+                       new_m_scales(rows * blocks);
     std::vector<uint8_t> m_codes = codes(rows * h);
-    FirstMomentRowsArgs a{};
-    a.h = h;
-    a.step = steps[k];
-    a.g = g.data();
-    a.out = g.data();
-    a.m_scales = m_scales.data();
-    a.m_scales_out = new_m_scales.data();
-    a.m_table = args.m_table();
-    a.m_codes = m_codes.data();
-    a.m_out = m_codes.data();
-    a.row_base = args.row_base.data();
-    a.m_seed = 777u;
-    a.m_stochastic = k != 0;
-    a.momentum = 0.9f;
-    a.c = args.c;
-    a.factor_rows = factor_rows.data();
-    a.col_even = a.col_odd = col.data();
-    a.factor_positive = true;
-    a.factor_inverse = 1.0f / 2e-4f;
-    baseline::FirstMomentRows(a, 0, rows, scratch.data());
+    baseline::FirstMomentRows(args.FirstMoment(steps[k], g.data(), m_scales.data(),
+                                               new_m_scales.data(), m_codes.data(), k != 0),
+                              0, rows, scratch.data());
     const uint64_t hash = Fnv(Fnv(Fnv(1469598103934665603ull, g), m_codes), new_m_scales);
     std::printf("first moment step %d %016llx first update %.9g\n", k, (unsigned long long)hash,
                 g[0]);
   }
   if (argc > 3) {
-    std::vector<float> tables(kTables8Size);
-    std::vector<int32_t> buckets(2 * kBucketTableSize);
-    FILE* f = std::fopen(argv[3], "rb");
-    if (f == nullptr || std::fread(tables.data(), 4, tables.size(), f) != tables.size() ||
-        std::fread(buckets.data(), 4, buckets.size(), f) != buckets.size()) {
+    std::vector<float> tables8;
+    std::vector<int32_t> buckets;
+    if (!ReadTables8(argv[3], tables8, buckets)) {
       std::printf("cannot read %s\n", argv[3]);
       return 1;
     }
-    std::fclose(f);
     const int64_t blocks8 = d / kBlock8;
     RowPassArgs args(rows, h, false);
     std::vector<float> g = gradient(), m_scales(rows * blocks8, old_scale),
                        v_scales(rows * blocks8, 1e-4f);
     std::vector<uint8_t> m_codes = codes(rows * d), v_codes = codes(rows * d);
-    Apply8bitRowsArgs a{};
-    a.h = h;
-    a.g = a.out = g.data();
-    a.m_scales = a.m_scales_out = m_scales.data();
-    a.v_scales = a.v_scales_out = v_scales.data();
-    a.m_table = tables.data();
-    a.v_table = tables.data() + 256;
-    a.m_codes = a.m_out = m_codes.data();
-    a.v_codes = a.v_out = v_codes.data();
-    a.m_buckets = buckets.data();
-    a.v_buckets = buckets.data() + kBucketTableSize;
-    a.c = args.c;
-    baseline::Apply8bitRows(a, 0, rows, scratch.data());
+    baseline::Apply8bitRows(args.Apply8bit(g.data(), m_scales.data(), v_scales.data(),
+                                           m_codes.data(), v_codes.data(), tables8.data(),
+                                           buckets.data()),
+                            0, rows, scratch.data());
     const uint64_t hash = Fnv(Fnv(Fnv(Fnv(Fnv(1469598103934665603ull, g), m_codes), v_codes),
                                   m_scales), v_scales);
     std::printf("adam 8-bit %016llx first update %.9g\n", (unsigned long long)hash, g[0]);

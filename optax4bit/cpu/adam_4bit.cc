@@ -60,6 +60,7 @@
 #include <thread>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE__) || defined(_M_X64)

@@ -23,28 +23,6 @@ typedef int32_t VI __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t VU __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t VW __attribute__((vector_size(2 * kLanes)));
 typedef uint8_t VB __attribute__((vector_size(kLanes)));
-#if OPTAX4BIT_ROWS_AVX2
-constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14};
-constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15};
-#elif OPTAX4BIT_ROWS_NEON
-constexpr VI kEven = {0, 2, 4, 6};
-constexpr VI kOdd = {1, 3, 5, 7};
-#else
-constexpr VI kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-constexpr VI kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-#endif
-
-// Lane orders that interleave an even and an odd vector back into order.
-#if OPTAX4BIT_ROWS_AVX2
-constexpr VI kInterleaveLo = {0, 8, 1, 9, 2, 10, 3, 11};
-constexpr VI kInterleaveHi = {4, 12, 5, 13, 6, 14, 7, 15};
-#elif OPTAX4BIT_ROWS_NEON
-constexpr VI kInterleaveLo = {0, 4, 1, 5};
-constexpr VI kInterleaveHi = {2, 6, 3, 7};
-#else
-constexpr VI kInterleaveLo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-constexpr VI kInterleaveHi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-#endif
 
 inline VF LoadV(const float* p) {
   VF v;
@@ -53,72 +31,39 @@ inline VF LoadV(const float* p) {
 }
 inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Constant shuffles of two vectors a, b (2 kLanes values, a's then b's): GCC's
-// __builtin_shuffle takes the lane order as a vector, Clang's
-// __builtin_shufflevector as constants.
+// Constant shuffles of two vectors a, b: lane k of the result is lane
+// kLane(k) of a's kLanes lanes followed by b's (GCC's __builtin_shuffle takes
+// the lanes as a vector, Clang's __builtin_shufflevector as constants).
+template <int (*kLane)(int), typename V, int... k>
+inline V ShuffleLanes(V a, V b, std::integer_sequence<int, k...>) {
 #ifdef __clang__
-// The even elements of a then b.
+  return __builtin_shufflevector(a, b, kLane(k)...);
+#else
+  return __builtin_shuffle(a, b, VI{kLane(k)...});
+#endif
+}
+constexpr int EvenLane(int k) { return 2 * k; }
+constexpr int OddLane(int k) { return 2 * k + 1; }
+// Even elements e and odd elements o back in order: the first kLanes, then
+// the next kLanes.
+constexpr int LowInterleavedLane(int k) { return k % 2 * kLanes + k / 2; }
+constexpr int HighInterleavedLane(int k) { return k % 2 * kLanes + kLanes / 2 + k / 2; }
+
+// The even and odd elements of a then b.
 template <typename V>
 inline V EvenOf(V a, V b) {
-  if constexpr (kLanes == 4) {
-    return __builtin_shufflevector(a, b, 0, 2, 4, 6);
-  } else if constexpr (kLanes == 8) {
-    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
-  } else {
-    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
-                                   30);
-  }
+  return ShuffleLanes<EvenLane>(a, b, std::make_integer_sequence<int, kLanes>());
 }
-// The odd elements of a then b.
 template <typename V>
 inline V OddOf(V a, V b) {
-  if constexpr (kLanes == 4) {
-    return __builtin_shufflevector(a, b, 1, 3, 5, 7);
-  } else if constexpr (kLanes == 8) {
-    return __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
-  } else {
-    return __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
-                                   31);
-  }
+  return ShuffleLanes<OddLane>(a, b, std::make_integer_sequence<int, kLanes>());
 }
-// Even elements e and odd elements o back in order: the first and second
-// kLanes of them.
-template <typename V>
-inline V InterleavedLo(V e, V o) {
-  if constexpr (kLanes == 4) {
-    return __builtin_shufflevector(e, o, 0, 4, 1, 5);
-  } else if constexpr (kLanes == 8) {
-    return __builtin_shufflevector(e, o, 0, 8, 1, 9, 2, 10, 3, 11);
-  } else {
-    return __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  }
-}
-template <typename V>
-inline V InterleavedHi(V e, V o) {
-  if constexpr (kLanes == 4) {
-    return __builtin_shufflevector(e, o, 2, 6, 3, 7);
-  } else if constexpr (kLanes == 8) {
-    return __builtin_shufflevector(e, o, 4, 12, 5, 13, 6, 14, 7, 15);
-  } else {
-    return __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15,
-                                   31);
-  }
-}
-#else
-template <typename V>
-inline V EvenOf(V a, V b) { return __builtin_shuffle(a, b, kEven); }
-template <typename V>
-inline V OddOf(V a, V b) { return __builtin_shuffle(a, b, kOdd); }
-template <typename V>
-inline V InterleavedLo(V e, V o) { return __builtin_shuffle(e, o, kInterleaveLo); }
-template <typename V>
-inline V InterleavedHi(V e, V o) { return __builtin_shuffle(e, o, kInterleaveHi); }
-#endif
 
 // Stores the even elements e and odd elements o of 2 kLanes values in order.
 inline void StoreInterleaved(float* out, VF e, VF o) {
-  StoreV(out, InterleavedLo(e, o));
-  StoreV(out + kLanes, InterleavedHi(e, o));
+  StoreV(out, ShuffleLanes<LowInterleavedLane>(e, o, std::make_integer_sequence<int, kLanes>()));
+  StoreV(out + kLanes,
+         ShuffleLanes<HighInterleavedLane>(e, o, std::make_integer_sequence<int, kLanes>()));
 }
 // kLanes code bytes widened to ints: one vpmovzxbd where the path has it (GCC
 // turns a direct uint8 -> int32 conversion into scalar code, and the one
