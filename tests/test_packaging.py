@@ -200,8 +200,9 @@ def test_isolated_build_in_a_fresh_venv(tmp_path):
 _ROWS_CHECK = r"""
 // The baseline rows over a 4x256 leaf: one stats and one apply pass of 4-bit Adam (StatsRows,
 // ApplyRows) per recipe, the first-moment rows (FirstMomentRows: momentum, Nesterov momentum,
-// factored Adam) and, given the 8-bit tables file, 8-bit Adam's rows (Apply8bitRows). Prints an
-// FNV-1a hash of every output (update, codes, scales, maxima) per case.
+// factored Adam), the codecs' rows (EncodeBlockRows, EncodeRank1Rows, DecodeRows) and, given
+// the 8-bit tables file, 8-bit Adam's rows (Apply8bitRows). Prints an FNV-1a hash of every
+// output (update, codes, scales, maxima, decoded values) per case.
 // Arguments: the gradient's tiny scale for every seventh element (0, or 1e-36 for subnormals),
 // the old block scales (0: the moments' first step), the 8-bit tables file (optional).
 #include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
@@ -273,6 +274,54 @@ int main(int argc, char** argv) {
     std::printf("first moment step %d %016llx first update %.9g\n", k, (unsigned long long)hash,
                 g[0]);
   }
+  {
+    // The codecs (quantize_state's decode and encode). Block codes under a
+    // cubic table, whose entries crowd near 0 (stochastic rounding's general
+    // path), nearest and stochastic, then decoded; rank-1 codes, Linear
+    // (recipe 0's v table) and not, then decoded.
+    RowPassArgs linear(rows, h, true), sqrt_de(rows, h, false);
+    float cubic[2 * kTableSize - 1];
+    for (int k = 0; k < kTableSize; ++k) {
+      const float c = (k - 7.5f) / 7.5f;
+      cubic[k] = c * c * c;
+    }
+    for (int k = 0; k + 1 < kTableSize; ++k) cubic[kTableSize + k] = (cubic[k] + cubic[k + 1]) / 2;
+    const std::vector<float> x = gradient();
+    std::vector<float> out(rows * d), block_scales(rows * blocks), v_rows(rows, 1e-4f),
+        col(d, 1e-4f);  // the decode's column scales, in the row's order
+    std::vector<uint8_t> codes(rows * h);
+    uint64_t hash = 1469598103934665603ull;
+    for (int k = 0; k < 4; ++k) {
+      RowPassArgs& args = k == 2 ? linear : sqrt_de;
+      CodecRowsArgs a{};
+      a.h = h;
+      a.rank1 = k >= 2;
+      a.stochastic = k == 1;
+      a.linear = k == 2;
+      a.x = x.data();
+      a.table = a.rank1 ? args.v_table() : cubic;
+      a.thresholds4 = args.v_thresholds4;
+      a.row_scales = v_rows.data();
+      a.col_scales = col.data();
+      a.inv_col_even = a.inv_col_odd = args.col_inverse.data();
+      a.inverse_factor = args.v_linear ? 4.0f : 1.0f;
+      a.row_base = args.row_base.data();
+      a.seed = 99u;
+      a.block_scales_out = block_scales.data();
+      a.codes_out = codes.data();
+      if (a.rank1) {
+        baseline::EncodeRank1Rows(a, 0, rows, scratch.data());
+      } else {
+        baseline::EncodeBlockRows(a, 0, rows, scratch.data());
+      }
+      a.codes = codes.data();
+      a.block_scales = block_scales.data();
+      a.out = out.data();
+      baseline::DecodeRows(a, 0, rows, scratch.data());
+      hash = Fnv(Fnv(Fnv(hash, codes), block_scales), out);
+    }
+    std::printf("codecs %016llx first decoded %.9g\n", (unsigned long long)hash, out[0]);
+  }
   if (argc > 3) {
     std::vector<float> tables8;
     std::vector<int32_t> buckets;
@@ -311,7 +360,7 @@ def test_aarch64_and_clang_rows_match_the_native_baseline(tmp_path):
   """Cross-compiled for aarch64 (static) with the flags of setup.py and run
   under qemu-user, the row functions (there NEON code, 4 lanes) write bit for
   bit what the native baseline path writes: 4-bit Adam (both recipes), the
-  first-moment steps and 8-bit Adam, with subnormal gradients flushed as XLA
+  first-moment steps, the codecs and 8-bit Adam, with subnormal gradients flushed as XLA
   flushes them (on the moments' first step, where they reach the update).
   Where Clang is installed, its native and aarch64 builds (Apple's compiler on
   macOS is Clang) write the same bits too."""
@@ -346,6 +395,6 @@ def test_aarch64_and_clang_rows_match_the_native_baseline(tmp_path):
       result = _run([*runner, str(tmp_path / name), *args])
       assert result.stderr.split() == ["baseline", "lanes", str(lanes)], (name, result.stderr)
       outputs[name] = result.stdout
-    assert len(outputs["native"].splitlines()) == 6, outputs["native"]
+    assert len(outputs["native"].splitlines()) == 7, outputs["native"]
     for name, stdout in outputs.items():
       assert stdout == outputs["native"], (args, name, outputs["native"], stdout)
