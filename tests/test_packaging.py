@@ -218,6 +218,16 @@ uint64_t Fnv(uint64_t h, const std::vector<T>& x) {
   return h;
 }
 
+constexpr uint64_t kFnvOffset = 1469598103934665603ull;
+
+// One hash of the bytes of every output, in order.
+template <typename... T>
+uint64_t Hash(const std::vector<T>&... outputs) {
+  uint64_t h = kFnvOffset;
+  ((h = Fnv(h, outputs)), ...);
+  return h;
+}
+
 int main(int argc, char** argv) {
   const float tiny = argc > 1 ? std::strtof(argv[1], nullptr) : 0.0f;
   const float old_scale = argc > 2 ? std::strtof(argv[2], nullptr) : 0.01f;
@@ -251,11 +261,7 @@ int main(int argc, char** argv) {
                                            v_codes.data(), m_scales.data(), new_m_scales.data(),
                                            m_stochastic);
     baseline::ApplyRows(apply, 0, rows, scratch.data());
-    uint64_t hash = 1469598103934665603ull;
-    for (uint64_t x : {Fnv(0, g), Fnv(0, m_codes), Fnv(0, v_codes), Fnv(0, new_m_scales),
-                       Fnv(0, row_max), Fnv(0, col_max)}) {
-      hash = (hash ^ x) * 1099511628211ull;
-    }
+    const uint64_t hash = Hash(g, m_codes, v_codes, new_m_scales, row_max, col_max);
     std::printf("adam recipe %d %016llx first update %.9g\n", recipe, (unsigned long long)hash,
                 g[0]);
   }
@@ -270,7 +276,7 @@ int main(int argc, char** argv) {
     baseline::FirstMomentRows(args.FirstMoment(steps[k], g.data(), m_scales.data(),
                                                new_m_scales.data(), m_codes.data(), k != 0),
                               0, rows, scratch.data());
-    const uint64_t hash = Fnv(Fnv(Fnv(1469598103934665603ull, g), m_codes), new_m_scales);
+    const uint64_t hash = Hash(g, m_codes, new_m_scales);
     std::printf("first moment step %d %016llx first update %.9g\n", k, (unsigned long long)hash,
                 g[0]);
   }
@@ -290,7 +296,7 @@ int main(int argc, char** argv) {
     std::vector<float> out(rows * d), block_scales(rows * blocks), v_rows(rows, 1e-4f),
         col(d, 1e-4f);  // the decode's column scales, in the row's order
     std::vector<uint8_t> codes(rows * h);
-    uint64_t hash = 1469598103934665603ull;
+    uint64_t hash = kFnvOffset;
     for (int k = 0; k < 4; ++k) {
       RowPassArgs& args = k == 2 ? linear : sqrt_de;
       CodecRowsArgs a{};
@@ -338,8 +344,7 @@ int main(int argc, char** argv) {
                                            m_codes.data(), v_codes.data(), tables8.data(),
                                            buckets.data()),
                             0, rows, scratch.data());
-    const uint64_t hash = Fnv(Fnv(Fnv(Fnv(Fnv(1469598103934665603ull, g), m_codes), v_codes),
-                                  m_scales), v_scales);
+    const uint64_t hash = Hash(g, m_codes, v_codes, m_scales, v_scales);
     std::printf("adam 8-bit %016llx first update %.9g\n", (unsigned long long)hash, g[0]);
   }
   return 0;

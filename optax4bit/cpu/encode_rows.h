@@ -67,11 +67,7 @@ inline VU Mix32(VU x) {
   return x ^ (x >> 15);
 }
 
-template <int... k>
-constexpr VU EvenIndices(std::integer_sequence<int, k...>) {
-  return VU{2u * k...};
-}
-constexpr VU kEvenIndex = EvenIndices(std::make_integer_sequence<int, kLanes>());
+constexpr VU kEvenIndex = (VU)LaneVector<EvenLane>(std::make_integer_sequence<int, kLanes>());
 
 // The U[0, 1) draws of maps.hashed_uniform for the elements with flat indices
 // index (mod 2**32), times 2**24: mix32(index ^ seed) >> 8, exact in float32.

@@ -34,12 +34,16 @@ inline void StoreV(float* p, VF v) { std::memcpy(p, &v, sizeof(v)); }
 // Constant shuffles of two vectors a, b: lane k of the result is lane
 // kLane(k) of a's kLanes lanes followed by b's (GCC's __builtin_shuffle takes
 // the lanes as a vector, Clang's __builtin_shufflevector as constants).
+template <int (*kLane)(int), int... k>
+constexpr VI LaneVector(std::integer_sequence<int, k...>) {
+  return VI{kLane(k)...};
+}
 template <int (*kLane)(int), typename V, int... k>
-inline V ShuffleLanes(V a, V b, std::integer_sequence<int, k...>) {
+inline V ShuffleLanes(V a, V b, std::integer_sequence<int, k...> lanes) {
 #ifdef __clang__
   return __builtin_shufflevector(a, b, kLane(k)...);
 #else
-  return __builtin_shuffle(a, b, VI{kLane(k)...});
+  return __builtin_shuffle(a, b, LaneVector<kLane>(lanes));
 #endif
 }
 constexpr int EvenLane(int k) { return 2 * k; }
