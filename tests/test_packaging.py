@@ -198,18 +198,20 @@ def test_isolated_build_in_a_fresh_venv(tmp_path):
 # The baseline (portable C++) row functions of the kernel, one stats and one
 # apply pass over a 4x256 leaf, both recipes; prints a hash of every output.
 _ROWS_CHECK = r"""
-// The baseline rows over a 4x256 leaf: one stats and one apply pass of 4-bit Adam (StatsRows,
+// One ISA path's rows over a 4x256 leaf: one stats and one apply pass of 4-bit Adam (StatsRows,
 // ApplyRows) per recipe, the first-moment rows (FirstMomentRows: momentum, Nesterov momentum,
 // factored Adam), the codecs' rows (EncodeBlockRows, EncodeRank1Rows, DecodeRows) and, given
 // the 8-bit tables file, 8-bit Adam's rows (Apply8bitRows). Prints an FNV-1a hash of every
 // output (update, codes, scales, maxima, decoded values) per case.
 // Arguments: the gradient's tiny scale for every seventh element (0, or 1e-36 for subnormals),
-// the old block scales (0: the moments' first step), the 8-bit tables file (optional).
+// the old block scales (0: the moments' first step), the 8-bit tables file, the ISA path
+// (kIsaPaths' name; baseline if not given). Exits with 3 where the path does not run.
 #include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
 #include "benchmarks/row_pass_args.h"
 
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 
 template <typename T>
 uint64_t Fnv(uint64_t h, const std::vector<T>& x) {
@@ -228,7 +230,24 @@ uint64_t Hash(const std::vector<T>&... outputs) {
   return h;
 }
 
+int Lanes(std::string_view path) {
+#ifdef OPTAX4BIT_X86_PATHS
+  if (path == "avx512") return avx512::kLanes;
+  if (path == "avx2") return avx2::kLanes;
+#endif
+  return baseline::kLanes;
+}
+
 int main(int argc, char** argv) {
+  const char* name = argc > 4 ? argv[4] : "baseline";
+  size_t p = 0;
+  while (p < std::size(kIsaPaths) && std::strcmp(kIsaPaths[p].name, name) != 0) ++p;
+  if (p == std::size(kIsaPaths) || !kIsaPaths[p].runs()) {
+    std::fprintf(stderr, "%s does not run here\n", name);
+    return 3;
+  }
+  const IsaPath& path = kIsaPaths[p];
+  const CodecPath& codec = kCodecPaths[p];
   const float tiny = argc > 1 ? std::strtof(argv[1], nullptr) : 0.0f;
   const float old_scale = argc > 2 ? std::strtof(argv[2], nullptr) : 0.01f;
   const int64_t rows = 4, d = 256, h = d / 2, blocks = h / kBlockBytes;
@@ -245,7 +264,7 @@ int main(int argc, char** argv) {
     for (uint8_t& x : c) x = next() >> 24;
     return c;
   };
-  std::fprintf(stderr, "baseline lanes %d\n", baseline::kLanes);
+  std::fprintf(stderr, "%s lanes %d\n", name, Lanes(name));
   FlushDenormals flush;
   std::vector<float> scratch(3 * d);
   for (int recipe = 0; recipe < 2; ++recipe) {
@@ -255,12 +274,12 @@ int main(int argc, char** argv) {
     RowPassArgs args(rows, h, v_linear);
     std::vector<float> v(d), new_m_scales(rows * blocks), row_max(rows);
     std::vector<uint32_t> col_max(d);
-    baseline::StatsRows(args.Stats(g.data(), v_rows.data(), v_codes.data(), row_max.data()), 0,
-                        rows, v.data(), col_max.data());
+    path.stats_rows(args.Stats(g.data(), v_rows.data(), v_codes.data(), row_max.data()), 0,
+                    rows, v.data(), col_max.data());
     const ApplyRowsArgs apply = args.Apply(g.data(), v_rows.data(), m_codes.data(),
                                            v_codes.data(), m_scales.data(), new_m_scales.data(),
                                            m_stochastic);
-    baseline::ApplyRows(apply, 0, rows, scratch.data());
+    path.apply_rows(apply, 0, rows, scratch.data());
     const uint64_t hash = Hash(g, m_codes, v_codes, new_m_scales, row_max, col_max);
     std::printf("adam recipe %d %016llx first update %.9g\n", recipe, (unsigned long long)hash,
                 g[0]);
@@ -273,9 +292,9 @@ int main(int argc, char** argv) {
     std::vector<float> g = gradient(), m_scales(rows * blocks, old_scale),
                        new_m_scales(rows * blocks);
     std::vector<uint8_t> m_codes = codes(rows * h);
-    baseline::FirstMomentRows(args.FirstMoment(steps[k], g.data(), m_scales.data(),
-                                               new_m_scales.data(), m_codes.data(), k != 0),
-                              0, rows, scratch.data());
+    path.first_moment_rows(args.FirstMoment(steps[k], g.data(), m_scales.data(),
+                                            new_m_scales.data(), m_codes.data(), k != 0),
+                           0, rows, scratch.data());
     const uint64_t hash = Hash(g, m_codes, new_m_scales);
     std::printf("first moment step %d %016llx first update %.9g\n", k, (unsigned long long)hash,
                 g[0]);
@@ -316,14 +335,14 @@ int main(int argc, char** argv) {
       a.block_scales_out = block_scales.data();
       a.codes_out = codes.data();
       if (a.rank1) {
-        baseline::EncodeRank1Rows(a, 0, rows, scratch.data());
+        codec.encode_rank1_rows(a, 0, rows, scratch.data());
       } else {
-        baseline::EncodeBlockRows(a, 0, rows, scratch.data());
+        codec.encode_block_rows(a, 0, rows, scratch.data());
       }
       a.codes = codes.data();
       a.block_scales = block_scales.data();
       a.out = out.data();
-      baseline::DecodeRows(a, 0, rows, scratch.data());
+      codec.decode_rows(a, 0, rows, scratch.data());
       hash = Fnv(Fnv(Fnv(hash, codes), block_scales), out);
     }
     std::printf("codecs %016llx first decoded %.9g\n", (unsigned long long)hash, out[0]);
@@ -340,10 +359,10 @@ int main(int argc, char** argv) {
     std::vector<float> g = gradient(), m_scales(rows * blocks8, old_scale),
                        v_scales(rows * blocks8, 1e-4f);
     std::vector<uint8_t> m_codes = codes(rows * d), v_codes = codes(rows * d);
-    baseline::Apply8bitRows(args.Apply8bit(g.data(), m_scales.data(), v_scales.data(),
-                                           m_codes.data(), v_codes.data(), tables8.data(),
-                                           buckets.data()),
-                            0, rows, scratch.data());
+    path.apply_8bit_rows(args.Apply8bit(g.data(), m_scales.data(), v_scales.data(),
+                                        m_codes.data(), v_codes.data(), tables8.data(),
+                                        buckets.data()),
+                         0, rows, scratch.data());
     const uint64_t hash = Hash(g, m_codes, v_codes, m_scales, v_scales);
     std::printf("adam 8-bit %016llx first update %.9g\n", (unsigned long long)hash, g[0]);
   }
@@ -366,11 +385,13 @@ def test_aarch64_and_clang_rows_match_the_native_baseline(tmp_path):
   under qemu-user, the row functions (there NEON code, 4 lanes) write bit for
   bit what the native baseline path writes: 4-bit Adam (both recipes), the
   first-moment steps, the codecs and 8-bit Adam, with subnormal gradients flushed as XLA
-  flushes them (on the moments' first step, where they reach the update).
-  Where Clang is installed, its native and aarch64 builds (Apple's compiler on
-  macOS is Clang) write the same bits too."""
+  flushes them (on the moments' first step, where they reach the update). So do the
+  native build's AVX2 and AVX-512 paths where this CPU runs them. Where Clang is
+  installed, its native builds' paths and its aarch64 build (Apple's compiler on macOS
+  is Clang) write the same bits too."""
   import jaxlib  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
+  from optax4bit import cpu  # pylint: disable=import-outside-toplevel
   from optax4bit.cpu import ffi  # pylint: disable=import-outside-toplevel
   native_cxx, cross_cxx, qemu = _cross_tools()
   (tmp_path / "rows_check.cc").write_text(_ROWS_CHECK)
@@ -379,12 +400,15 @@ def test_aarch64_and_clang_rows_match_the_native_baseline(tmp_path):
                       ffi._buckets("DE", "DE").astype(np.int32).tobytes())
   flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
            f"-I{Path(jaxlib.__file__).parent / 'include'}", f"-I{ROOT}", "rows_check.cc"]
-  # name: (compiler and target, how to run the program, the baseline path's lanes)
-  targets = {"native": ([native_cxx], [], 16), "aarch64": ([cross_cxx, "-static"], [qemu], 4)}
+  # name: (compiler and target, how to run the program, {ISA path: its lanes})
+  native_paths = {"baseline": 16, "avx2": 8, "avx512": 16}
+  targets = {"native": ([native_cxx], [], native_paths),
+             "aarch64": ([cross_cxx, "-static"], [qemu], {"baseline": 4})}
   clang = shutil.which("clang++")
   if clang:
-    targets["native-clang"] = ([clang], [], 16)
-    targets["aarch64-clang"] = ([clang, "--target=aarch64-linux-gnu", "-static"], [qemu], 4)
+    targets["native-clang"] = ([clang], [], native_paths)
+    targets["aarch64-clang"] = ([clang, "--target=aarch64-linux-gnu", "-static"], [qemu],
+                                {"baseline": 4})
   builds = {name: subprocess.Popen([*cxx, *flags, "-o", name, "-lpthread"], cwd=tmp_path,
                                    stderr=subprocess.PIPE, text=True)
             for name, (cxx, _, _) in targets.items()}
@@ -396,10 +420,19 @@ def test_aarch64_and_clang_rows_match_the_native_baseline(tmp_path):
   for tiny, old_scale in (("0", "0.01"), ("1e-36", "0.01"), ("1e-36", "0")):
     args = [tiny, old_scale, str(tables8)]
     outputs = {}
-    for name, (_, runner, lanes) in targets.items():
-      result = _run([*runner, str(tmp_path / name), *args])
-      assert result.stderr.split() == ["baseline", "lanes", str(lanes)], (name, result.stderr)
-      outputs[name] = result.stdout
-    assert len(outputs["native"].splitlines()) == 7, outputs["native"]
-    for name, stdout in outputs.items():
-      assert stdout == outputs["native"], (args, name, outputs["native"], stdout)
+    for name, (_, runner, paths) in targets.items():
+      for path, lanes in paths.items():
+        result = subprocess.run([*runner, str(tmp_path / name), *args, path],
+                                capture_output=True, text=True, timeout=600, check=False)
+        if result.returncode == 3 and path != "baseline":  # this CPU does not run the path
+          continue
+        assert result.returncode == 0, (name, path, result.stderr)
+        assert result.stderr.split() == [path, "lanes", str(lanes)], (name, result.stderr)
+        outputs[name, path] = result.stdout
+    reference = outputs["native", "baseline"]
+    assert len(reference.splitlines()) == 7, reference
+    for (name, path), stdout in outputs.items():
+      assert stdout == reference, (args, name, path, reference, stdout)
+    # Every path the installed kernel runs on this CPU ran in each native build.
+    for name in ("native", "native-clang") if clang else ("native",):
+      assert {path for n, path in outputs if n == name} >= set(cpu.isas()), (name, outputs)

@@ -68,11 +68,25 @@
 #define OPTAX4BIT_HAS_MXCSR 1
 #endif
 
-// x86-64 with GCC: the row kernels compiled for AVX-512 and AVX2 besides the
-// baseline (`#pragma GCC target`), one binary for any x86-64 machine.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// x86-64 with GCC or Clang: the row kernels compiled for AVX-512 and AVX2
+// besides the baseline, one binary for any x86-64 machine. A path's functions
+// get its target by `#pragma GCC target` (GCC) or `#pragma clang attribute`
+// (Clang, which has no GCC target pragma).
+#if defined(__x86_64__) && defined(__GNUC__)
 #define OPTAX4BIT_X86_PATHS 1
+#include <cpuid.h>
 #include <immintrin.h>
+#ifdef __clang__
+#define OPTAX4BIT_TARGET_PUSH(spec)                                        \
+  _Pragma(OPTAX4BIT_STRING(clang attribute push(__attribute__((target(spec))), \
+                                                apply_to = function)))
+#define OPTAX4BIT_TARGET_POP _Pragma("clang attribute pop")
+#else
+#define OPTAX4BIT_TARGET_PUSH(spec) \
+  _Pragma("GCC push_options") _Pragma(OPTAX4BIT_STRING(GCC target(spec)))
+#define OPTAX4BIT_TARGET_POP _Pragma("GCC pop_options")
+#endif
+#define OPTAX4BIT_STRING(x) #x
 #endif
 
 // aarch64: the baseline path is NEON code, with 4-lane vectors and table
@@ -231,8 +245,7 @@ struct Apply8bitRowsArgs {
 // The row kernels of each ISA path, in a namespace of its own (their vectors
 // as wide as the path's registers).
 #ifdef OPTAX4BIT_X86_PATHS
-#pragma GCC push_options
-#pragma GCC target("arch=x86-64-v4")
+OPTAX4BIT_TARGET_PUSH("arch=x86-64-v4")
 namespace avx512 {
 #define OPTAX4BIT_ROWS_AVX512 1
 #define OPTAX4BIT_ROWS_AVX2 0
@@ -242,9 +255,8 @@ namespace avx512 {
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx512
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("arch=x86-64-v3")
+OPTAX4BIT_TARGET_POP
+OPTAX4BIT_TARGET_PUSH("arch=x86-64-v3")
 namespace avx2 {
 #define OPTAX4BIT_ROWS_AVX512 0
 #define OPTAX4BIT_ROWS_AVX2 1
@@ -254,7 +266,7 @@ namespace avx2 {
 #undef OPTAX4BIT_ROWS_AVX512
 #undef OPTAX4BIT_ROWS_AVX2
 }  // namespace avx2
-#pragma GCC pop_options
+OPTAX4BIT_TARGET_POP
 #endif
 namespace baseline {
 #define OPTAX4BIT_ROWS_AVX512 0
@@ -281,11 +293,17 @@ struct IsaPath {
 };
 
 #ifdef OPTAX4BIT_X86_PATHS
+// F16C by CPUID (leaf 1, ECX bit 29): Clang 14's __builtin_cpu_supports does
+// not know the name.
+bool HasF16c() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx >> 29 & 1);
+}
+
 bool RunsAvx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
-         __builtin_cpu_supports("f16c");
+         __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") && HasF16c();
 }
 
 bool RunsAvx512() {

@@ -174,9 +174,18 @@ inline VI Lookup(const IntTable32& t, VI index) {
   const uint32x4_t bytes = vorrq_u32((uint32x4_t)index, vdupq_n_u32(0xFFFFFF00u));
   return (VI)vreinterpretq_u32_u8(vqtbl2q_u8(t.bytes, vreinterpretq_u8_u32(bytes)));
 }
+#elif OPTAX4BIT_ROWS_AVX512
+// One permute (GCC's __builtin_shuffle compiles to the same; Clang has no
+// shuffle by a run-time lane order).
+inline VF Lookup(const Table& t, VI index) {
+  return (VF)_mm512_permutexvar_ps((__m512i)index, (__m512)t.part[0]);
+}
+inline VI Lookup(const IntTable32& t, VI index) {
+  return (VI)_mm512_permutex2var_epi32((__m512i)t.part[0], (__m512i)index, (__m512i)t.part[1]);
+}
 #elif defined(__clang__)
-// Lane by lane: Clang has no shuffle by a run-time lane order (its x86
-// build has the baseline path only, which "auto" does not run).
+// Lane by lane: Clang has no shuffle by a run-time lane order ("auto" does
+// not run the x86 baseline path).
 inline VF Lookup(const Table& t, VI index) {
   VF r;
   for (int k = 0; k < kLanes; ++k) r[k] = t.part[0][index[k]];
