@@ -195,8 +195,8 @@ def test_isolated_build_in_a_fresh_venv(tmp_path):
   assert out["default"] and out["paper"], out
 
 
-# The baseline (portable C++) row functions of the kernel, one stats and one
-# apply pass over a 4x256 leaf, both recipes; prints a hash of every output.
+# The row functions of one ISA path of the kernel over a 4x256 leaf; prints a hash of
+# every output.
 _ROWS_CHECK = r"""
 // One ISA path's rows over a 4x256 leaf: one stats and one apply pass of 4-bit Adam (StatsRows,
 // ApplyRows) per recipe, the first-moment rows (FirstMomentRows: momentum, Nesterov momentum,
