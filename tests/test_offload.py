@@ -193,6 +193,12 @@ def _gpu_target_device():
     pytest.skip(f"no deviceless XLA:GPU compile here (jax's CUDA plugin): {error}")
 
 
+def _abstract(tree, device, kind):
+  """``tree``'s shapes and dtypes on ``device`` in memory ``kind`` (compile only)."""
+  sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
 @pytest.mark.parametrize("implementation", ["pallas", "jnp"])
 @pytest.mark.parametrize("name", ["adamw_4bit", "adamw_4bit_factor"])
 def test_offloaded_step_compiles_for_a_gpu(name, implementation):
@@ -204,14 +210,9 @@ def test_offloaded_step_compiles_for_a_gpu(name, implementation):
   params = {"w": jax.ShapeDtypeStruct((512, 768), jnp.float32), "b": jax.ShapeDtypeStruct(
       (768,), jnp.float32)}
 
-  def abstract(tree, kind):
-    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        tree)
-
-  state = abstract(jax.eval_shape(tx.init, params), "pinned_host")
+  state = _abstract(jax.eval_shape(tx.init, params), device, "pinned_host")
   compiled = jax.jit(_step_fn(tx), donate_argnums=(0, 1)).lower(
-      abstract(params, "device"), state, abstract(params, "device")).compile()
+      _abstract(params, device, "device"), state, _abstract(params, device, "device")).compile()
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
   assert compiled.memory_analysis().host_argument_size_in_bytes == state_bytes
 
@@ -258,15 +259,11 @@ def _lm_step_device_bytes(tx, device, offloaded: bool) -> tuple:
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  def abstract(tree, kind):
-    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        tree)
-
   tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-      abstract(params, "device"), abstract(state, "pinned_host" if offloaded else "device"),
-      abstract(tokens, "device")).compile()
+      _abstract(params, device, "device"),
+      _abstract(state, device, "pinned_host" if offloaded else "device"),
+      _abstract(tokens, device, "device")).compile()
   m = compiled.memory_analysis()
   # XLA:GPU counts device memory only in these fields (the host arguments in host_*).
   total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
