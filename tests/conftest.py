@@ -255,6 +255,20 @@ def on_the_cpu():
     yield
 
 
+def export_cuda(fn, *args):
+  """``jax.jit(fn)`` exported for CUDA through Pallas' Triton backend, on any
+  machine. Lowered for an abstract H100: since JAX 0.12 the Triton lowering takes
+  its compute capability from a GPU device or an abstract one and refuses
+  without (JAX 0.10-0.11 fell back to 9.0, an H100's)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
+    return jax.export.export(
+        jax.jit(fn), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args)
+
+
 @pytest.fixture
 def cpu_default_device():
   """`on_the_cpu` for a whole test."""

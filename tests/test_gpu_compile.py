@@ -95,17 +95,18 @@ def test_triton_is_the_release_validated_with_this_jaxlib(triton):
   did not come from the gpu-check extra (e.g. PyTorch's, on a GPU machine)
   skips: nothing here pins it."""
   pyproject = (_PATH.parents[1] / "pyproject.toml").read_text()
-  assert f'"triton=={gpu_compile.VALIDATED["triton"]};' in pyproject
-  if gpu_compile.triton_version() != gpu_compile.VALIDATED["triton"]:
+  [pinned] = gpu_compile.VALIDATED["triton"]
+  assert f'"triton=={pinned};' in pyproject
+  if gpu_compile.triton_version() != pinned:
     pytest.skip(f"triton {gpu_compile.triton_version()} is not the gpu-check extra's "
-                f"{gpu_compile.VALIDATED['triton']}: the compile checks ran with it, unvalidated")
+                f"{pinned}: the compile checks ran with it, unvalidated")
   problems = gpu_compile.version_drift()
   assert not problems, "\n".join(problems)
 
 
 def test_a_jaxlib_triton_pair_not_validated_fails_the_check(triton, monkeypatch, capsys):
   del triton
-  monkeypatch.setitem(gpu_compile.VALIDATED, "triton", "0.0.0")
+  monkeypatch.setitem(gpu_compile.VALIDATED, "triton", ("0.0.0",))
   assert gpu_compile.main(["--cases", "sgdm_4bit paper"]) == 1
   out = capsys.readouterr().out
   assert "FAIL: triton" in out and "validated with triton 0.0.0" in out

@@ -36,7 +36,7 @@ import optax
 import pytest
 
 import optax4bit
-from conftest import near_midpoint
+from conftest import export_cuda, near_midpoint
 from optax4bit import pallas
 from optax4bit.pallas import PallasConfig
 from optax4bit.pallas import steps as pallas_steps
@@ -394,13 +394,6 @@ def test_module_doctests():
 # CUDA lowering of whole optimizer updates (no GPU needed).
 
 
-def _export_cuda(fn, *args):
-  return jax.export.export(
-      jax.jit(fn), platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-  )(*args)
-
-
 OPTIMIZERS = {
     "adamw": lambda: optax4bit.adamw_4bit(1e-3, min_quantize_size=0, implementation="pallas"),
     "adamw_nesterov": lambda: optax4bit.adamw_4bit(1e-3, min_quantize_size=0, nesterov=True,
@@ -439,9 +432,9 @@ def test_optimizer_update_lowers_for_cuda(name, dtype):
   params = {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
   tx = OPTIMIZERS[name]()
   state = tx.init(params)
-  exported = _export_cuda(tx.update, params, state, params)
+  exported = export_cuda(tx.update, params, state, params)
   assert "__gpu$xla.gpu.triton" in exported.mlir_module()
   if name in PAPER:
     paper = PAPER[name]()
     assert _triton_calls(exported) == _triton_calls(
-        _export_cuda(paper.update, params, paper.init(params), params))
+        export_cuda(paper.update, params, paper.init(params), params))

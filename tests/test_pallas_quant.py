@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import optax4bit
+from conftest import export_cuda
 from optax4bit import pallas
 from optax4bit.pallas import _engine, _geometry
 from optax4bit.quant.spec import QuantSpec, as_spec
@@ -220,14 +221,6 @@ def test_tiling_is_power_of_two_and_covers_the_leaf():
 
 # ----------------------------------------------------------------------------
 # CUDA lowering (no GPU needed).
-
-
-def export_cuda(fn, *args):
-  """Lowers ``fn`` for CUDA through Pallas' Triton backend, on any machine."""
-  return jax.export.export(
-      jax.jit(fn), platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-  )(*args)
 
 
 def _triton_calls(exported) -> int:
