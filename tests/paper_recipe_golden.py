@@ -1,11 +1,15 @@
-"""Golden states of the paper's and torchao's recipes, as SHA-256 digests.
+"""Golden states of the paper's and torchao's recipes.
 
-tests/data/paper_recipe_golden.json was written by this script run against
-optax4bit at commit 3d27fa7 (jnp implementation), before the default recipe
-changed; `test_recipes.py` checks that today's library reproduces every array
-bit for bit.
+tests/data/paper_recipe_golden.json holds SHA-256 digests of every array, written by
+this script against optax4bit at commit 3d27fa7 (jnp implementation), before the
+default recipe changed. tests/data/paper_recipe_golden_floats.npz holds the float
+arrays themselves, written at 7a37a45 with JAX 0.10.2, where every array still hashed
+to those digests (`test_recipes.py` checks that). The float arrays are compared with a
+tolerance: XLA releases may sum in another order (JAX 0.12's XLA:CPU moves the
+factored means of a 3-D leaf by 1-2 ulp).
 
-  python tests/paper_recipe_golden.py OUT.json     # write (used once)
+  python tests/paper_recipe_golden.py digests OUT.json   # write (used once)
+  python tests/paper_recipe_golden.py floats OUT.npz     # write (used once)
 """
 
 import hashlib
@@ -54,20 +58,33 @@ def run(name: str, implementation: str = "jnp") -> dict:
   return out
 
 
+def digest(a: np.ndarray) -> str:
+  """sha256 of ``a``'s dtype, shape and bytes."""
+  return hashlib.sha256(f"{a.dtype}{a.shape}".encode() + a.tobytes()).hexdigest()
+
+
 def digests(name: str, implementation: str = "jnp") -> dict:
-  """``{array name: sha256 of dtype, shape and bytes}`` of `run`'s arrays."""
-  return {k: hashlib.sha256(f"{a.dtype}{a.shape}".encode() + a.tobytes()).hexdigest()
-          for k, a in run(name, implementation).items()}
+  """``{array name: digest}`` of `run`'s arrays."""
+  return {k: digest(a) for k, a in run(name, implementation).items()}
 
 
-def main(path: str) -> None:
+def floats(name: str, implementation: str = "jnp") -> dict:
+  """`run`'s float arrays."""
+  return {k: a for k, a in run(name, implementation).items()
+          if np.issubdtype(a.dtype, np.floating)}
+
+
+def main(what: str, path: str) -> None:
   table = {}
   for name in CONFIGS:
-    table.update(digests(name))
-  with open(path, "w") as f:
-    json.dump(table, f, indent=1, sort_keys=True)
-  print(f"wrote {len(table)} digests to {path}")
+    table.update(digests(name) if what == "digests" else floats(name))
+  if what == "digests":
+    with open(path, "w") as f:
+      json.dump(table, f, indent=1, sort_keys=True)
+  else:
+    np.savez_compressed(path, **table)
+  print(f"wrote {len(table)} {what} to {path}")
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(*sys.argv[1:])
