@@ -107,8 +107,8 @@ REGISTER_BUDGET = 128
 # The PyPI triton (pyproject.toml's gpu-check extra pins it) and the jaxlib
 # releases whose Triton IR it was checked to parse and compile: the whole matrix
 # on the ragged leaf, every case and architecture (jaxlib 0.10.2 writes it with
-# MLIR 23, as triton 3.8.0's LLVM; 0.12.0.1 with MLIR 24).
-VALIDATED = {"jaxlib": ("0.10.2", "0.12.0.1"), "triton": ("3.8.0",)}
+# MLIR 23, as triton 3.8.0's LLVM; 0.11.2 and 0.12.0.1 with MLIR 24).
+VALIDATED = {"jaxlib": ("0.10.2", "0.11.2", "0.12.0.1"), "triton": ("3.8.0",)}
 
 
 def version_drift() -> list:
