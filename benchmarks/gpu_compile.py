@@ -245,6 +245,14 @@ def ttir_from_bytecode(bytecode: bytes) -> str:
     return module.operation.get_asm(enable_debug_info=False)
 
 
+def cuda_target():
+  """A context in which Pallas lowers for CUDA without a GPU, for an H100: since
+  JAX 0.12 the Triton lowering reads the compute capability from a GPU or an
+  abstract one and raises without (0.10-0.11 fell back to an H100's 9.0)."""
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100))
+
+
 def triton_kernels(fn: Callable, *args) -> list:
   """The Triton kernels of ``jax.jit(fn)`` lowered for CUDA, in program order.
 
@@ -253,10 +261,7 @@ def triton_kernels(fn: Callable, *args) -> list:
   backend config (jaxlib <= 0.10.2 does; later versions may compile the
   module to PTX inside jaxlib instead, which needs its CUDA plugin)."""
   from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
-  # Since JAX 0.12 the Triton lowering reads the compute capability from a GPU or
-  # an abstract one (0.10-0.11 fell back to an H100's 9.0 without a GPU).
-  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
+  with cuda_target():
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   module = lowered.compiler_ir("stablehlo")
   calls, others = [], []

@@ -255,14 +255,25 @@ def on_the_cpu():
     yield
 
 
+@functools.cache
+def gpu_compile():
+  """benchmarks/gpu_compile.py, loaded once (it is a script, not a package)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_compile.py"
+  spec = importlib.util.spec_from_file_location("optax4bit_gpu_compile", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
 def export_cuda(fn, *args):
   """``jax.jit(fn)`` exported for CUDA through Pallas' Triton backend, on any
-  machine. Lowered for an abstract H100: since JAX 0.12 the Triton lowering takes
-  its compute capability from a GPU device or an abstract one and refuses
-  without (JAX 0.10-0.11 fell back to 9.0, an H100's)."""
+  machine (for an abstract H100: `gpu_compile().cuda_target`)."""
   import jax  # pylint: disable=import-outside-toplevel
-  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
+  with gpu_compile().cuda_target():
     return jax.export.export(
         jax.jit(fn), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],

@@ -75,14 +75,15 @@ def floats(name: str, implementation: str = "jnp") -> dict:
 
 
 def main(what: str, path: str) -> None:
-  table = {}
-  for name in CONFIGS:
-    table.update(digests(name) if what == "digests" else floats(name))
   if what == "digests":
+    table = {k: v for name in CONFIGS for k, v in digests(name).items()}
     with open(path, "w") as f:
       json.dump(table, f, indent=1, sort_keys=True)
-  else:
+  elif what == "floats":
+    table = {k: v for name in CONFIGS for k, v in floats(name).items()}
     np.savez_compressed(path, **table)
+  else:
+    raise SystemExit(f"what to write must be 'digests' or 'floats', got {what!r}")
   print(f"wrote {len(table)} {what} to {path}")
 
 

@@ -21,18 +21,14 @@ marked slow: ``pytest -m slow tests/test_gpu_compile.py``.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import pathlib
-import sys
 
 import jax.numpy as jnp
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_compile.py"
-_spec = importlib.util.spec_from_file_location("optax4bit_gpu_compile", _PATH)
-gpu_compile = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = gpu_compile  # dataclasses look their module up
-_spec.loader.exec_module(gpu_compile)
+from conftest import gpu_compile as load_gpu_compile
+
+gpu_compile = load_gpu_compile()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +90,8 @@ def test_triton_is_the_release_validated_with_this_jaxlib(triton):
   rather than passing with numbers from a mismatched compiler. A triton that
   did not come from the gpu-check extra (e.g. PyTorch's, on a GPU machine)
   skips: nothing here pins it."""
-  pyproject = (_PATH.parents[1] / "pyproject.toml").read_text()
+  root = pathlib.Path(gpu_compile.__file__).resolve().parents[1]
+  pyproject = (root / "pyproject.toml").read_text()
   [pinned] = gpu_compile.VALIDATED["triton"]
   assert f'"triton=={pinned};' in pyproject
   if gpu_compile.triton_version() != pinned:
