@@ -4,7 +4,8 @@ conformance suite for something that claims to be an optax optimizer.
 
 * `WrappedAliasTest` (slow): all of ``AliasTest`` with every state leaf
   quantized (``min_quantize_size=0``); ``test_optimization`` alone runs
-  10,000 steps per configuration.
+  10,000 steps per configuration. Two of its Rosenbrock cases are strict
+  xfails (`_KNOWN_FAILURES`).
 * `WrappedAliasOptimizationTest` (slow): ``test_optimization`` with the
   default ``min_quantize_size``.
 * `WrappedAliasQuickTest`, in the default run: the tests of `QUICK` for every
@@ -24,6 +25,7 @@ conformance suite for something that claims to be an optax optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from unittest import mock
 
@@ -62,7 +64,46 @@ def _keep_only(cls, prefixes: tuple):
       setattr(cls, name, None)  # not a test of this class
 
 
+# Configurations of WrappedAliasTest that miss test_optimization's tolerance
+# (3e-2) on the two-parameter Rosenbrock, target (1, 1), with the whole state
+# in 4 bits (benchmarks/RESULTS.md, "optax's alias test suite, wrapped").
+# Strict: they fail the run once they pass.
+_KNOWN_FAILURES = {
+    "adadelta": "4-bit adadelta ends at (0.307, -0.025): its steps stay tiny",
+    "lion": "4-bit lion ends at (0.930, 0.881): a 2-element block rounds its momentum coarsely",
+}
+
+
+def _without_subtests(method):
+  """method as a new test function (a mark on it does not reach AliasTest's
+  own) whose subTests are plain blocks: a failure ends the test, so that an
+  xfail sees it (pytest takes a passing subtest of an xfail for an XPASS)."""
+
+  @functools.wraps(method)
+  def test(self):
+    with mock.patch.object(self, "subTest", lambda *args, **kwargs: contextlib.nullcontext()):
+      method(self)
+
+  return test
+
+
+def _expect_known_failures(cls):
+  """Marks cls's test_optimization cases of _KNOWN_FAILURES (Rosenbrock,
+  float32) as strict xfails, picked by their parameters, not their indices."""
+  for name in dir(cls):
+    method = getattr(cls, name)
+    params = getattr(method, "__x_params_repr__", "")
+    if not name.startswith("test_optimization") or "_setup_rosenbrock" not in params:
+      continue
+    for opt_name, reason in _KNOWN_FAILURES.items():
+      if f"opt_name='{opt_name}'" in params and "float32" in params:
+        setattr(cls, name, pytest.mark.xfail(raises=AssertionError, strict=True, reason=reason)(
+            _without_subtests(method)))
+  return cls
+
+
 @pytest.mark.slow
+@_expect_known_failures
 class WrappedAliasTest(_Wrapped):
   """All of optax's AliasTest, wrapped."""
 
