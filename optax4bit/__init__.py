@@ -8,6 +8,8 @@ Example:
   >>> state = tx.init({"w": jnp.zeros((256, 256))})
 """
 
+import importlib.metadata
+
 from optax4bit.alias import (
     adam_4bit,
     adamw_4bit,
@@ -34,7 +36,10 @@ from optax4bit.wrappers import KNOWN_STATE_FIELDS, QuantizedState, quantize_stat
 from optax4bit import diagnostics  # submodule; its plots import matplotlib lazily
 from optax4bit import recipes  # submodule: recipe names and resolve()
 
-__version__ = "0.1.0"
+try:
+  __version__ = importlib.metadata.version("optax4bit")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+  __version__ = "0+unknown"
 
 __all__ = [
     "FactoredMoment",

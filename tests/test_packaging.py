@@ -34,7 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the sdist is built from (the tests are not part of the package).
-SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "optax4bit")
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE", "optax4bit")
 KERNEL = "optax4bit/cpu/_adam_4bit" + importlib.machinery.EXTENSION_SUFFIXES[0]
 FALLBACK_LOG = "optax4bit runs its jnp path on CPU"
 
@@ -97,6 +97,8 @@ def test_wheel_is_tagged_for_this_platform_and_holds_the_package(dists):
     (info,) = {n.split("/")[0] for n in names if n.endswith(".dist-info/WHEEL")}
     assert "Root-Is-Purelib: false" in zf.read(f"{info}/WHEEL").decode()
     assert KERNEL in names, sorted(names)
+    assert "optax4bit/py.typed" in names, "no PEP 561 marker in the wheel"
+    assert f"{info}/licenses/LICENSE" in names, sorted(n for n in names if info in n)
     kernel_bytes = zf.getinfo(KERNEL).file_size
   assert not _modules() - names, f"modules missing from the wheel: {_modules() - names}"
   if sys.platform.startswith("linux"):
@@ -110,7 +112,8 @@ def test_sdist_holds_the_kernel_sources(dists):
   sources = {str(p.relative_to(ROOT)) for p in (ROOT / "optax4bit" / "cpu").glob("*")
              if p.suffix in (".cc", ".h")}
   assert "optax4bit/cpu/adam_4bit.cc" in sources
-  expected = _modules() | sources | {"setup.py", "pyproject.toml", "MANIFEST.in", "README.md"}
+  expected = _modules() | sources | {"setup.py", "pyproject.toml", "MANIFEST.in", "README.md",
+                                     "LICENSE", "optax4bit/py.typed"}
   assert not expected - names, f"missing from the sdist: {expected - names}"
 
 
@@ -124,7 +127,8 @@ from optax4bit import dispatch
 assert optax4bit.__file__.startswith(sys.argv[1]), optax4bit.__file__
 out = {"compilers": [c for c in ("cc", "gcc", "c++", "g++", "clang") if shutil.which(c)],
        "available": optax4bit.cpu.available(), "reason": optax4bit.cpu.unavailable_reason(),
-       "auto_runs_jnp": dispatch.fused_steps("auto") is None}
+       "auto_runs_jnp": dispatch.fused_steps("auto") is None,
+       "version": optax4bit.__version__}
 params = {"w": 0.02 * jax.random.normal(jax.random.PRNGKey(0), (4, 256))}
 grads = {"w": 0.01 * jax.random.normal(jax.random.PRNGKey(1), (4, 256))}
 impls = ("jnp", "cpu") if out["available"] else ("jnp", "auto")
@@ -155,8 +159,11 @@ def _step_in_fresh_interpreter(python, site: Path, tmp_path: Path) -> tuple:
 
 
 def test_wheel_kernel_loads_without_a_compiler(dists, tmp_path):
+  from packaging.utils import parse_wheel_filename  # pylint: disable=import-outside-toplevel
   site = _unpack(dists[1], tmp_path / "site")
   out, stderr = _step_in_fresh_interpreter(sys.executable, site, tmp_path)
+  # __version__ comes from the installed distribution's metadata.
+  assert out["version"] == str(parse_wheel_filename(dists[1].name)[1]), out["version"]
   assert out["compilers"] == []
   assert out["available"], out["reason"]
   assert out["default"] and out["paper"], out
