@@ -39,14 +39,15 @@ timeout "${GPU_STEP_SECONDS:-280}" taskset -c "$gpu_cores" $PY benchmarks/gpu_st
 echo "gpu_step exit $?" >> "$OUT/gpu_step.txt"
 
 # The offloaded state's device memory, compiled for this GPU (compile only; first measured
-# on an H200 on 2026-11-26, RESULTS.md "Host offload on XLA:GPU").
+# on an H200 on 2026-11-26, benchmarks/history/log-to-2026-11.md "Host offload on XLA:GPU").
 timeout "${OFFLOAD_SECONDS:-90}" taskset -c "$gpu_cores" $PY benchmarks/offload_memory.py \
   --configs 124M > "$OUT/offload_memory.txt" 2>&1
 echo "offload_memory exit $?" >> "$OUT/offload_memory.txt"
 
 # The GPT step with and without the 4-bit state offloaded, compiled for this GPU (H200 with
-# JAX 0.11.2 and an H100 target with JAX 0.10.2: RESULTS.md "Host offload on XLA:GPU"; the
-# offloaded 1.5B step should plan about the state, 1.6 GB, less than the plain one).
+# JAX 0.11.2 and an H100 target with JAX 0.10.2: benchmarks/history/log-to-2026-11.md,
+# "Host offload on XLA:GPU"; the offloaded 1.5B step should plan about the state, 1.6 GB,
+# less than the plain one).
 timeout "${TRAINING_MEMORY_SECONDS:-150}" taskset -c "$gpu_cores" $PY benchmarks/training_memory.py \
   --skip-search --optimizers adamw_4bit adamw_4bit_offloaded --out "$OUT/training_memory.json" \
   --plot "$OUT/training_memory.png" > "$OUT/training_memory.txt" 2>&1

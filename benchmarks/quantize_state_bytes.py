@@ -1,6 +1,6 @@
 """quantize_state: state bytes/param, transient memory, and convergence.
 
-Three tables for benchmarks/RESULTS.md ("quantize_state: state bytes per
+Three tables for benchmarks/history/log-to-2026-11.md ("quantize_state: state bytes per
 parameter"):
 
 1. State bytes per parameter of optax optimizers wrapped with

@@ -213,7 +213,7 @@ def muon_4bit(
   state per matrix parameter instead of 4.
 
   **At small learning rates a 4-bit momentum lags fp32 Muon**: on the
-  least-squares problem of benchmarks/RESULTS.md ("4-bit Muon") the loss
+  least-squares problem of benchmarks/history/log-to-2026-11.md ("4-bit Muon") the loss
   after 200 steps is 3.9x fp32 Muon's at learning rate 1e-2, 2.75x at 2e-2,
   1.35x at 3e-2 and 1.07x at 1e-1. Newton-Schulz maps every singular value
   of the momentum to about 1, so quantization noise in its small singular

@@ -11,7 +11,7 @@ and rank-1 scales (one float32 per row and per column) for the second moment.
   stochastic rounding; second moment ``Rank-1/SqrtDE-0`` (``sqrt(v)`` coded
   with the zero-free DE map), nearest rounding.
 
-Why the default differs (benchmarks/RESULTS.md, "Training quality"): where
+Why the default differs (benchmarks/history/log-to-2026-11.md, "Training quality"): where
 the moments of a tensor span a wide range inside its rows and columns, the
 paper's recipe loses in two ways. ``Rank-1/Linear`` decodes every second
 moment below 1/16 of its scale to 1/16 of it, so those elements take steps

@@ -26,7 +26,7 @@ from subprocess_json import TESTS, run_json
 
 # JAX deprecations are errors here (orbax's own are not ours to fix). On a GPU, JAX
 # >= 0.11 warns at every Pallas Triton lowering that the backend is deprecated; the
-# move to Mosaic GPU is open work (benchmarks/RESULTS.md, "GPU step").
+# move to Mosaic GPU is open work (benchmarks/history/log-to-2026-11.md, "GPU step").
 pytestmark = pytest.mark.filterwarnings(
     "error::DeprecationWarning", "ignore::DeprecationWarning:orbax.*",
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -278,8 +278,8 @@ def _lm_step_device_bytes(tx, device, offloaded: bool) -> tuple:
 def test_offloaded_state_is_off_the_device_at_the_step_peak(name):
   # JAX 0.11's XLA:GPU started the state's copies to the device during the backward
   # pass, so the whole state sat on the device at the step's peak and offload saved
-  # nothing (benchmarks/RESULTS.md, "Host offload on XLA:GPU"); offload_state makes the
-  # copies wait for the gradients.
+  # nothing (benchmarks/history/log-to-2026-11.md, "Host offload on XLA:GPU");
+  # offload_state makes the copies wait for the gradients.
   device = jax.devices()[0]
   plain, state_bytes = _lm_step_device_bytes(TXS[name](), device, offloaded=False)
   offloaded, _ = _lm_step_device_bytes(offload.offload_state(TXS[name]()), device,

@@ -66,7 +66,7 @@ def _keep_only(cls, prefixes: tuple):
 
 # Configurations of WrappedAliasTest that miss test_optimization's tolerance
 # (3e-2) on the two-parameter Rosenbrock, target (1, 1), with the whole state
-# in 4 bits (benchmarks/RESULTS.md, "optax's alias test suite, wrapped").
+# in 4 bits (benchmarks/history/log-to-2026-11.md, "optax's alias test suite, wrapped").
 # Strict: they fail the run once they pass.
 _KNOWN_FAILURES = {
     "adadelta": "4-bit adadelta ends at (0.307, -0.025): its steps stay tiny",

@@ -61,13 +61,13 @@ def test_muon_with_the_8bit_momentum_trains_like_muon_in_under_30_percent_of_its
   ratio = optax4bit.state_nbytes(state_8bit) / optax4bit.state_nbytes(state_fp32)
   assert ratio < 0.3, ratio  # issue 17: under 30% of fp32 Muon's state
   # Measured 1.29 (seeds 0-2: 1.27-1.34) at this rate; the 4-bit B32/NF
-  # stochastic momentum measured 3.90 (RESULTS.md, "4-bit Muon").
+  # stochastic momentum measured 3.90 (benchmarks/history/log-to-2026-11.md, "4-bit Muon").
   assert loss_8bit <= 1.5 * loss_fp32, (loss_8bit, loss_fp32)
 
 
 def test_muon_4bit_lags_at_small_learning_rates():
   """The default 4-bit momentum (B32/NF, stochastic) trails fp32 Muon by
-  3.9x at lr 1e-2 (RESULTS.md, "4-bit Muon"); a regression bound, and the
+  3.9x at lr 1e-2 (benchmarks/history/log-to-2026-11.md, "4-bit Muon"); a regression bound, and the
   reason for `MUON_MOMENTUM_8BIT`."""
   lr = 1e-2
   loss_4bit, state = _least_squares(optax4bit.muon_4bit(lr, min_quantize_size=0))

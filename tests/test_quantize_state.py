@@ -471,7 +471,7 @@ _JAX_VERSION = tuple(map(int, jax.__version__.split(".")[:2]))
 @pytest.mark.xfail(
     jax.default_backend() == "gpu" and _JAX_VERSION >= (0, 11), strict=True, reason=(
         "XLA:GPU of JAX >= 0.11 does not keep the jnp chunked update in place: +3.9 B per "
-        "added parameter on an H100 (benchmarks/RESULTS.md, 'GPU step'); not fixed"))
+        "added parameter on an H100 (benchmarks/history/log-to-2026-11.md, 'GPU step'); not fixed"))
 def test_transient_memory_does_not_grow_with_the_model():
   def model(num_leaves):
     return {f"w{i}": jax.ShapeDtypeStruct((256, 512), jnp.float32) for i in range(num_leaves)}
