@@ -1,4 +1,5 @@
-"""The README: short, its commands the ones CI runs, its example running.
+"""The README: short, its commands the ones CI runs, its example running; and
+benchmarks/RESULTS.md a short summary that links the dated log.
 
 ``.ci/run`` runs the README's test command (its install line and its pytest line, word for
 word); the main job's command installs a subset of those extras and runs a script that
@@ -69,3 +70,12 @@ def test_readme_example_runs():
     exec(compile(example, "README.md", "exec"), {})  # pylint: disable=exec-used
   megabytes = float(out.getvalue().split()[0])
   assert 1.0 < megabytes < 1.2, out.getvalue()  # 8.4 MB in float32
+
+
+def test_results_opens_with_a_short_summary_linking_the_log():
+  with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), encoding="utf-8") as f:
+    results = f.read()
+  assert results.count("\n") <= 150
+  for link in re.findall(r"\]\((history/[^)]*)\)", results):
+    assert os.path.exists(os.path.join(ROOT, "benchmarks", link)), link
+  assert "](history/log-to-2026-11.md)" in results
