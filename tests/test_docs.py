@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import re
 
-import pytest
-
 import docs_doctests
 import optax4bit
 from subprocess_json import ROOT, TESTS, run_json
@@ -26,22 +24,16 @@ WITH_EXAMPLES = ("index.md", "getting_started.md", "quantize_state.md", "shardin
                  "optimizers/muon.md")
 
 
-@pytest.fixture(scope="module")
-def results():
-  return run_json(os.path.join(TESTS, "docs_doctests.py"))
-
-
-@pytest.mark.parametrize("page", PAGES)
-def test_page_examples_pass(results, page):
-  result = results[page]
-  assert result["failed"] == 0, f"{page}: {result['failed']} of {result['attempted']} " \
-                                f"examples failed\n{result['report']}"
-
-
-@pytest.mark.parametrize("page", WITH_EXAMPLES)
-def test_page_has_examples(results, page):
-  assert page in results, f"docs/{page} is missing"
-  assert results[page]["attempted"] >= 2, f"docs/{page} shows no runnable example"
+def test_every_page_runs_its_examples():
+  """One process for every page (a fixture shared by several tests would run once per
+  xdist worker)."""
+  results = run_json(os.path.join(TESTS, "docs_doctests.py"))
+  assert sorted(results) == PAGES
+  failed = {page: r for page, r in results.items() if r["failed"]}
+  assert not failed, "\n".join(f"docs/{page}: {r['failed']} of {r['attempted']} examples "
+                                f"failed\n{r['report']}" for page, r in failed.items())
+  without = [page for page in WITH_EXAMPLES if results.get(page, {}).get("attempted", 0) < 2]
+  assert not without, f"pages missing or without runnable examples: {without}"
 
 
 def test_api_reference_lists_every_public_name():
