@@ -37,7 +37,7 @@ loses nothing measured):
    baseline's time in the same round, so drift of the machine cancels.
    ``bytes_moved`` is what the optimizer must move at least (read gradients
    and params, write params: 3x the params' bytes; read and write the state),
-   in both settings.
+   in both settings; update rows give its ``share_of_copy_bandwidth``.
 
 Rows run in priority order (``plan``): the issue's targets first (the 4-bit
 AdamW recipes, Factor and SGD-M at 1B float32, update then train; then 110M
@@ -82,6 +82,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_step  # noqa: E402  (gpt_shapes, SIZES, copy_bandwidth, _ulps_of_max)
 
 import optax4bit  # noqa: E402
+import optax4bit.pallas  # noqa: E402  (resolve: what "auto" picks)
 from optax4bit import QuantizedArray  # noqa: E402
 
 SCHEMA = 1
@@ -127,8 +128,14 @@ CANDIDATES = {
     "adamw_4bit jnp engine": Optimizer(
         lambda impl: optax4bit.adamw_4bit(LR, implementation="jnp"),
         sizes=("100M", SMOKE_SIZE), steps=("update",)),
+    # The same with chunks as large as the engine allows: two per leaf (it
+    # keeps two so that the update stays in place), 3x fewer kernel launches
+    # on an H100 target (benchmarks/history/2026-11-27-issue-35-session.md).
+    "adamw_4bit jnp engine, two chunks per leaf": Optimizer(
+        lambda impl: optax4bit.adamw_4bit(LR, implementation="jnp", chunk_size=2**30),
+        sizes=("100M", SMOKE_SIZE), steps=("update",)),
     # The presets wrap optax through quantize_state: "auto" or "jnp" only.
-    "lion_4bit": Optimizer(lambda impl: optax4bit.lion_4bit(LR / 3), tier=2),
+    "lion_4bit": Optimizer(lambda impl: optax4bit.lion_4bit(LR), tier=2),
     "ademamix_4bit": Optimizer(lambda impl: optax4bit.ademamix_4bit(LR), tier=2),
     "muon_4bit": Optimizer(lambda impl: optax4bit.muon_4bit(LR), tier=2),
 }
@@ -431,10 +438,11 @@ def timing_row(session: Session, runner: Runner, group: dict, baselines: dict,
                                                  for q in (0.25, 0.75)],
              samples=len(runner.samples), steps_per_sample=runner.steps,
              compile_seconds=runner.compile_seconds, state_bytes=runner.state_bytes,
-             bytes_moved=moved, bytes_moved_per_s=moved / seconds,
-             copy_bandwidth_bytes_per_s=bandwidth,
-             share_of_copy_bandwidth=moved / seconds / bandwidth)
+             bytes_moved=moved, copy_bandwidth_bytes_per_s=bandwidth)
   del row["param_bytes"]
+  if runner.step_kind == "update":  # a train step's time is mostly the model's
+    row.update(bytes_moved_per_s=moved / seconds, share_of_copy_bandwidth=moved / seconds /
+               bandwidth)
   for key, base in (("vs_optax_adamw", "optax.adamw"), ("vs_optax_sgd_momentum",
                                                         "optax.sgd(momentum)")):
     if base in baselines and baselines[base] is not runner:
@@ -530,9 +538,11 @@ def time_group(session: Session, size: str, dtype: str, step_kind: str, names: l
       for base in baselines.values():
         _put_row(session, timing_row(session, base, group, baselines, None))
       timed_any = True
+      share = row.get("share_of_copy_bandwidth")
       print(f"  {name:26s} {row['implementation']:6s} {row['seconds'] * 1e3:9.3f} ms "
-            f"{row['vs_optax_adamw']:6.2f}x adamw  {100 * row['share_of_copy_bandwidth']:5.1f}% "
-            f"of copy bw  compile {row['compile_seconds']:5.1f} s", flush=True)
+            f"{row['vs_optax_adamw']:6.2f}x adamw  " + (
+                f"{100 * share:5.1f}% of copy bw  " if share else "") +
+            f"compile {row['compile_seconds']:5.1f} s", flush=True)
     except Exception as e:  # pylint: disable=broad-except  (out of memory, a failed compile)
       session.error(what, e)
       for n, base in baselines.items():  # keep the baselines' rounds aligned
@@ -631,6 +641,11 @@ def main(argv=None) -> int:
   print(f"device: {header['device']}, jax {header['jax']}, jaxlib {header['jaxlib']}, "
         f"budget {args.budget_seconds:.0f} s", flush=True)
 
+  # "auto"'s one compile probe of the Pallas kernels, outside every row's
+  # compile time; whether it picked them.
+  start = time.perf_counter()
+  session.results["auto_runs_pallas"] = optax4bit.pallas.resolve("auto") is not None
+  session.results["auto_probe_seconds"] = time.perf_counter() - start
   bandwidth = gpu_step.copy_bandwidth(args.rounds * args.steps, 2**20 if args.smoke else 2**30)
   session.results["copy_bandwidth_bytes_per_s"] = bandwidth
   print(f"device-to-device copy (x + 1): {bandwidth / 1e9:.0f} GB/s", flush=True)
