@@ -340,6 +340,7 @@ def check_optimizer(name: str, dtype: str, shapes: dict, steps: int, pallas: str
 
 def run_checks(session: Session, names, dtypes, shapes: dict, steps: int, pallas: str,
                seconds_each: float) -> None:
+  """`check_optimizer` for each of ``names`` and ``dtypes``, within the budget."""
   for dtype in dtypes:
     for name in names:
       what = dict(check=name, dtype=dtype)
@@ -651,29 +652,29 @@ def main(argv=None) -> int:
   print(f"device-to-device copy (x + 1): {bandwidth / 1e9:.0f} GB/s", flush=True)
   session.write()
 
-  check_shapes = SMOKE_CHECK_SHAPES if args.smoke else CHECK_SHAPES
-  check_seconds = 5.0 if args.smoke else 20.0
+  checked = set(args.dtypes) if args.skip_checks else set()
+
+  def checks(dtypes):
+    for dtype in [d for d in dtypes if d not in checked]:
+      checked.add(dtype)
+      print(f"\n## Pallas == jnp, {dtype} (teacher-forced steps)", flush=True)
+      run_checks(session, args.optimizers, [dtype],
+                 SMOKE_CHECK_SHAPES if args.smoke else CHECK_SHAPES, args.check_steps, pallas,
+                 seconds_each=5.0 if args.smoke else 20.0)
+
   done = _already_timed(args.skip_timed)
-  checked = set()
   for tier, size, dtype, step_kind, names in plan(args.sizes, args.dtypes, args.step_kinds,
                                                   args.optimizers):
-    # The first dtype's checks before every row, the others' after tier 1.
-    due = args.dtypes[:1] if tier == 1 else args.dtypes
-    for check in [] if args.skip_checks else [d for d in due if d not in checked]:
-      checked.add(check)
-      print(f"\n## Pallas == jnp, {check} (teacher-forced steps)", flush=True)
-      run_checks(session, args.optimizers, [check], check_shapes, args.check_steps, pallas,
-                 check_seconds)
-    names = [n for n in names if (size, dtype, step_kind, n) not in done]
+    checks(args.dtypes[:1] if tier == 1 else args.dtypes)  # the others' after tier 1
+    left = [n for n in names if (size, dtype, step_kind, n) not in done]
+    if names and not left:  # timed by the earlier run, baselines and all
+      continue
     try:
-      time_group(session, size, dtype, step_kind, names, args)
+      time_group(session, size, dtype, step_kind, left, args)
     except Exception as e:  # pylint: disable=broad-except  (e.g. out of memory at 1B)
       session.error(dict(size=size, dtype=dtype, step=step_kind), e)
     gc.collect()
-  for check in [] if args.skip_checks else [d for d in args.dtypes if d not in checked]:
-    print(f"\n## Pallas == jnp, {check} (teacher-forced steps)", flush=True)
-    run_checks(session, args.optimizers, [check], check_shapes, args.check_steps, pallas,
-               check_seconds)
+  checks(args.dtypes)
 
   session.results["finished"] = True
   session.write()

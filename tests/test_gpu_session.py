@@ -86,6 +86,12 @@ def test_smoke_run_writes_every_field(tmp_path):
       assert 0 < low <= row[key] <= high
 
 
+  # A second call given this JSON skips its rows, and their groups' baselines.
+  again = _run(tmp_path / "again", "--optimizers", "sgdm_4bit", "--dtypes", "float32",
+               "--skip-checks", "--skip-timed", str(tmp_path / "gpu_session.json"))
+  assert again["timings"] == again["checks"] == again["skipped"] == []
+
+
 def test_zero_budget_skips_every_row_and_check(tmp_path):
   results = _run(tmp_path, "--budget-seconds", "0", "--dtypes", "float32", "--optimizers",
                  "adamw_4bit", "lion_4bit")
