@@ -74,6 +74,13 @@ class Geometry:
     return (self.row_tiles, -(-self.num_segs // self.segs_per_tile))
 
   @property
+  def exact(self) -> bool:
+    """Whether the tiles cover the leaf exactly (an even last axis, whole
+    row tiles and segment tiles): the kernels then need no masks."""
+    return (self.cols % 2 == 0 and self.rows % self.rows_per_tile == 0
+            and self.half % (self.seg * self.segs_per_tile) == 0)
+
+  @property
   def tile(self) -> tuple:
     return (self.rows_per_tile, self.segs_per_tile, self.seg)
 
