@@ -157,6 +157,17 @@ def test_bucket_lookup_counts_exactly_as_the_reference_search(mapping, signed):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("mapping,signed", _TABLES)
+def test_stochastic_rounding_gaps_suit_the_unchecked_division(mapping, signed):
+  """`KernelMath.probability` divides by these gaps with the fast path of
+  ``div.rn.f32`` only: they must be normal numbers at most 1, 0 or inf."""
+  value, gap = _codebook.entry_gaps(as_spec(f"B128/{mapping}", signed=signed)).T
+  np.testing.assert_array_equal(value, optax4bit.qmap(mapping, 4, signed))
+  assert gap[-1] == np.inf
+  finite = gap[:-1]
+  assert np.all((finite == 0) | ((finite >= np.finfo(np.float32).tiny) & (finite <= 1)))
+
+
 def test_kernel_encoders_match_maps():
   """The kernels' encoders (`optax4bit.pallas._math`, table lookups, no clip)
   against `maps.encode_nearest` / `maps.encode_stochastic`, with

@@ -55,6 +55,9 @@ def decode_pairs(spec: QuantSpec) -> np.ndarray:
 def _entry_gaps(mapping: str, signed: bool) -> np.ndarray:
   table = maps.qmap(mapping, 4, signed)
   gaps = np.append(np.diff(table), np.float32(np.inf))
+  # `_math.KernelMath.probability` divides by these without a range check.
+  finite = gaps[np.isfinite(gaps) & (gaps != 0)]
+  assert np.all((finite >= np.finfo(np.float32).tiny) & (finite <= 1)), (mapping, gaps)
   return np.stack([table, gaps], axis=1).astype(np.float32)
 
 

@@ -77,6 +77,7 @@ from optax4bit.pallas import _codebook, _math, _operands
 from optax4bit.pallas._geometry import (
     DEFAULT_NUM_WARPS,
     DEFAULT_TILE_BYTES,
+    STATS_TILE_FACTOR,
     Format,
     Geometry,
     geometry,
@@ -122,9 +123,14 @@ def _store(ref, index, value, mask=None):
 
 
 def _gather_pair(table, index):
-  """Row ``index`` of a two-column table, as two loads of one address (a
-  tile-shaped ``(..., 2)`` load would need a change of layout both ways)."""
-  return tuple(_load(table, (index, np.int32(k))) for k in range(2))
+  """Row ``index`` of a two-column table, stored transposed (``(2, N)``,
+  `_table_operand`): the second load is at a constant offset from the first
+  (a tile-shaped ``(..., 2)`` load would need a change of layout both ways)."""
+  return tuple(_load(table, (np.int32(k), index)) for k in range(2))
+
+
+def _table_operand(table: np.ndarray) -> jax.Array:
+  return jnp.asarray(np.ascontiguousarray(table.T))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +360,7 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=True)
       uniform = tile.uniforms(refs.seeds[k], refs.row_bases)
       codes = [_math.encode_stochastic(n[h], uniform[h], bucket, *tables, _gather_pair,
-                                       kmath.div) for h in range(2)]
+                                       kmath.probability) for h in range(2)]
     else:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=False)
       codes = [_math.encode_nearest(n[h], spec, bucket, tables[0] if tables else None,
@@ -470,8 +476,8 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
         inputs.extend(ops)
     return inputs + side_ops, position
 
-  decode_tables = [jnp.asarray(_codebook.decode_pairs(f.spec)) for f in old_fmts]
-  encode_tables = [jnp.asarray(t) for f in new_fmts for t in _encode_tables(f)]
+  decode_tables = [_table_operand(_codebook.decode_pairs(f.spec)) for f in old_fmts]
+  encode_tables = [_table_operand(t) for f in new_fmts for t in _encode_tables(f)]
 
   def tables(read: Sequence[bool], encode: bool) -> list:
     return [t for t, r in zip(decode_tables, read) if r] + (encode_tables if encode else [])
@@ -485,17 +491,20 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     read = tuple(any(alias[k] == m for k in deferred) for m in range(len(old)))
     inputs, _ = assemble(read)
     inputs += tables(read, False)
+    # Larger tiles than the step's: this pass holds few values per element
+    # (no encoder), and more elements per thread share the index arithmetic.
+    stats_geo = geometry(shape, specs, options.tile_bytes * STATS_TILE_FACTOR, segment=geo.seg)
     out_shapes = []
     for k in deferred:
       out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))
       if new_fmts[k].kind == "rank1":
-        out_shapes.append(jax.ShapeDtypeStruct((geo.row_tiles, geo.cols), jnp.float32))
-    outs = list(_call(dataclasses.replace(plan, old_read=read), fn, True, inputs, out_shapes,
-                      {}, options))
+        out_shapes.append(jax.ShapeDtypeStruct((stats_geo.row_tiles, geo.cols), jnp.float32))
+    outs = list(_call(dataclasses.replace(plan, geo=stats_geo, old_read=read), fn, True, inputs,
+                      out_shapes, {}, options))
     for k in deferred:
       row_part = outs.pop(0)
       col_part = outs.pop(0) if new_fmts[k].kind == "rank1" else None
-      new_scales[k] = _operands.scales_from_partials(new_fmts[k], geo, row_part, col_part,
+      new_scales[k] = _operands.scales_from_partials(new_fmts[k], stats_geo, row_part, col_part,
                                                      reduce_scales)
 
   # Step pass: the update and every new moment, each written over the input

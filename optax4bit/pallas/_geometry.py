@@ -19,6 +19,11 @@ from optax4bit.quant.spec import QuantSpec
 # occupancy on sm_80/sm_90a). 4 per thread would leave many kernels at 64
 # registers, where ptxas starts to spill. Tunable with `PallasConfig`.
 DEFAULT_TILE_BYTES = 1024
+# The stats pass (partial maxima of rank-1/tensor moments) tiles by this many
+# times the step's bytes: it holds no encoder's values, so it has registers to
+# spare (40 at 4x on sm_90a), and more elements per thread share the index
+# arithmetic and the column reductions.
+STATS_TILE_FACTOR = 4
 # Segment width (bytes) when no moment is block-wise local.
 DEFAULT_SEGMENT_BYTES = 64
 DEFAULT_NUM_WARPS = 8

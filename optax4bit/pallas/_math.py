@@ -50,11 +50,49 @@ class KernelMath:
   def div(self, a, b):
     return self._asm("div.rn.f32 $0, $1, $2;", a, b) if self.triton else a / b
 
+  def _div_fast_path(self, a, b):
+    """The fast path of ``div.rn.f32`` as ptxas emits it (the reciprocal,
+    refined once, then the quotient corrected by one fused multiply-add),
+    without its range check and out-of-line slow path: ``div.rn.f32``'s
+    quotient bit for bit where that check passes (normal operands and a normal
+    quotient well inside the exponent range)."""
+    return self._asm(
+        "{ .reg .f32 r, e, q, nb; rcp.approx.ftz.f32 r, $2; neg.f32 nb, $2; "
+        "fma.rn.f32 e, nb, r, 0f3F800000; fma.rn.f32 r, r, e, r; "
+        "fma.rn.f32 q, $1, r, 0f00000000; fma.rn.f32 e, nb, q, $1; "
+        "fma.rn.f32 $0, r, e, q; }", a, b)
+
+  def probability(self, d, gap):
+    """``d / gap`` for stochastic rounding's decision ``u < d / gap``, by
+    `_div_fast_path`. Where ``div.rn.f32`` would leave its fast path for the
+    operands this sees (``gap`` a positive normal at most 1, ``inf`` or 0;
+    ``d <= gap`` finite or infinite), the decision against a draw ``u = k /
+    2**24`` is the same: a quotient below the normal range is positive exactly
+    when ``d > 0`` (the product ``d * (1 / gap) >= d`` cannot round to 0), and
+    an infinite or zero ``gap`` or an infinite ``d`` gives NaN or a negative
+    number where ``div.rn.f32`` gives 0, NaN or a negative number: never a
+    round-up."""
+    return self._div_fast_path(d, gap) if self.triton else d / gap
+
+  def inverse_times_4(self, s):
+    """`normalize.inverse_times_4` of finite scales ``s >= 0``. On the GPU the
+    divisor is first scaled by ``2**64`` or ``2**-64`` into ``[2**-85,
+    2**64]``, where `_div_fast_path` is exact, and the quotient scaled back:
+    powers of two commute with rounding while the result stays normal (4 /
+    s is normal for every finite s; where it overflows, so does the scaled
+    quotient, and both clamp to the float32 maximum)."""
+    if not self.triton:
+      return normalize.inverse_times_4(s, self.div)
+    positive = s > 0
+    up, down = np.float32(2.0**64), np.float32(2.0**-64)
+    scale = jnp.where(s < down, up, jnp.where(s > up, down, np.float32(1)))
+    quotient = self._div_fast_path(np.float32(4), jnp.where(positive, s, np.float32(1)) * scale)
+    inverse = jnp.minimum(quotient * scale, np.float32(np.finfo(np.float32).max))
+    return jnp.where(positive, inverse, np.float32(0))
+
   def sqrt(self, x):
     return self._asm("sqrt.rn.f32 $0, $1;", x) if self.triton else jnp.sqrt(x)
 
-  def inverse_times_4(self, s):
-    return normalize.inverse_times_4(s, self.div)
 
 
 def decode_bytes(packed, pairs, gather_pair: GatherPair):
@@ -87,16 +125,17 @@ def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_pair: 
 
 
 def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_pair: GatherPair,
-                      div=jnp.divide):
+                      probability=jnp.divide):
   """`maps.encode_stochastic` (int32 codes) of ``n`` (not NaN).
 
   ``lower`` is the largest entry ``<= n`` (0 below the first); the gap after
   the last entry is ``inf``, so that there, and below the first entry, the
-  probability is 0 or negative without the reference's clip: the same codes.
+  probability is 0, NaN or negative without the reference's clip: the same
+  codes. ``probability(d, gap)``: ``d / gap`` (`KernelMath.probability`).
   """
   lower = count_below(n, bucket, table, gather_pair)
   low_value, gap = gather_pair(gaps, lower)
-  return lower + (uniform < div(n - low_value, gap)).astype(jnp.int32)
+  return lower + (uniform < probability(n - low_value, gap)).astype(jnp.int32)
 
 
 def finite_abs(x, mask=None):
