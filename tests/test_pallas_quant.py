@@ -62,6 +62,8 @@ CASES = [
     ((5, 301), "B128/NF"),
     ((3, 5, 70), "Rank-1/SqrtDE-0"),
     pytest.param((257,), "Rank-1/SqrtDE-0", marks=pytest.mark.slow),
+    # Tiles that cover the leaf exactly: no masks, and the stats pass on 4x tiles.
+    ((8, 256), "Rank-1/SqrtDE-0"),
 ]
 
 KEY = jax.random.key(7)
@@ -73,6 +75,7 @@ STOCHASTIC_CASES = [
     ((3, 4, 20), "B128/NF"),
     pytest.param((4, 300), "B256/DE", marks=pytest.mark.slow),
     ((5, 301), "Rank-1/SqrtDE-0"),
+    ((8, 256), "Rank-1/SqrtDE-0"),  # exact tiles (see CASES)
     pytest.param((3, 5, 70), "Rank-1/DE-0", marks=pytest.mark.slow),
     pytest.param((257,), "Rank-1/SqrtDE-0", marks=pytest.mark.slow),
     pytest.param((6, 33), "Tensor/Linear", marks=pytest.mark.slow),

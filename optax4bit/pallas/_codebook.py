@@ -35,10 +35,6 @@ _EXPONENT_BITS = 8
 _MANTISSA_BITS = 23
 
 
-def _codebook(spec: QuantSpec) -> np.ndarray:
-  return maps.qmap(spec.mapping, spec.bits, spec.signed)
-
-
 @functools.lru_cache(maxsize=None)
 def _decode_pairs(mapping: str, signed: bool) -> np.ndarray:
   table = maps.qmap(mapping, 4, signed)

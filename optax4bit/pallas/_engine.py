@@ -85,7 +85,6 @@ from optax4bit.pallas._geometry import (
 )
 from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray
-from optax4bit.quant.spec import QuantSpec
 
 def _pallas():
   """``(pl, plgpu)``, imported on first use: importing Pallas costs a
@@ -397,9 +396,9 @@ def _call(plan: _Plan, fn, stats_pass: bool, inputs: list, out_shapes: list, ali
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """Static options of a kernel launch."""
+  """Static options of a kernel launch (``tile_bytes`` None: the default)."""
   interpret: bool = False
-  tile_bytes: int = DEFAULT_TILE_BYTES
+  tile_bytes: Optional[int] = DEFAULT_TILE_BYTES
   num_warps: int = DEFAULT_NUM_WARPS
 
 
@@ -440,7 +439,8 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
   """
   shape = tuple(shape)
   specs = [q.spec for q in old] + [spec for spec, _ in new]
-  geo = geometry(shape, specs, options.tile_bytes)
+  tile_bytes = options.tile_bytes or DEFAULT_TILE_BYTES
+  geo = geometry(shape, specs, tile_bytes)
   old_fmts = tuple(moment_format(q.spec, geo) for q in old)
   new_fmts = tuple(moment_format(spec, geo) for spec, _ in new)
   alias = tuple(alias) if alias else (None,) * len(new)
@@ -491,9 +491,11 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     read = tuple(any(alias[k] == m for k in deferred) for m in range(len(old)))
     inputs, _ = assemble(read)
     inputs += tables(read, False)
-    # Larger tiles than the step's: this pass holds few values per element
-    # (no encoder), and more elements per thread share the index arithmetic.
-    stats_geo = geometry(shape, specs, options.tile_bytes * STATS_TILE_FACTOR, segment=geo.seg)
+    # Larger tiles than the step's where they cover the leaf exactly: this pass
+    # holds few values per element (no encoder), and more elements per thread
+    # share the index arithmetic (with masks, ptxas runs out of registers).
+    stats_geo = geometry(shape, specs, tile_bytes * STATS_TILE_FACTOR, segment=geo.seg)
+    stats_geo = stats_geo if stats_geo.exact else geo
     out_shapes = []
     for k in deferred:
       out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))

@@ -20,9 +20,11 @@ from optax4bit.quant.spec import QuantSpec
 # registers, where ptxas starts to spill. Tunable with `PallasConfig`.
 DEFAULT_TILE_BYTES = 1024
 # The stats pass (partial maxima of rank-1/tensor moments) tiles by this many
-# times the step's bytes: it holds no encoder's values, so it has registers to
-# spare (40 at 4x on sm_90a), and more elements per thread share the index
-# arithmetic and the column reductions.
+# times the step's bytes where those tiles cover the leaf exactly: it holds no
+# encoder's values, so it has registers to spare (63 on sm_90a), and more
+# elements per thread share the index arithmetic and the column reductions.
+# With masks (ragged leaves) the same tiles need 115-128 registers, and 2x
+# spills at ptxas's 64-register target: those keep the step's tiles.
 STATS_TILE_FACTOR = 4
 # Segment width (bytes) when no moment is block-wise local.
 DEFAULT_SEGMENT_BYTES = 64
