@@ -10,6 +10,8 @@ GPU).
 
 from __future__ import annotations
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,6 +171,37 @@ def test_stochastic_rounding_gaps_suit_the_unchecked_division(mapping, signed):
   assert gap[-1] == np.inf
   finite = gap[:-1]
   assert np.all((finite == 0) | ((finite >= np.finfo(np.float32).tiny) & (finite <= 1)))
+
+
+def _round32(exact) -> np.float32:
+  """``exact`` (a Fraction) rounded to the nearest float32, ties to even."""
+  guess = np.float32(float(exact))
+  candidates = [np.nextafter(guess, np.float32(-np.inf)), guess,
+                np.nextafter(guess, np.float32(np.inf))]
+  return min(candidates, key=lambda c: (abs(fractions.Fraction(float(c)) - exact),
+                                        int(np.array(c).view(np.uint32)) & 1))
+
+
+def _fma32(a, b, c) -> np.float32:
+  frac = lambda x: fractions.Fraction(float(x))
+  return _round32(frac(a) * frac(b) + frac(c))
+
+
+def test_division_fast_path_is_correctly_rounded_for_stochastic_rounding():
+  """`KernelMath.probability`'s PTX, emulated with exact fused multiply-adds
+  (and a correctly rounded reciprocal for the hardware's approximate one):
+  the quotient of ``div.rn`` for every gap of the default recipe's map and
+  differences down to 2**-40 of it, so the decisions ``u < d / gap`` are too."""
+  rng = np.random.RandomState(3)
+  gaps = _codebook.entry_gaps(as_spec("B128/NF", signed=True))[:-1, 1]
+  for gap in gaps:
+    ds = gap * np.concatenate([rng.uniform(0, 1, 24), 2.0 ** -rng.uniform(0, 40, 8), [1.0]])
+    for d in ds.astype(np.float32):
+      r = _round32(1 / fractions.Fraction(float(gap)))
+      r = _fma32(r, _fma32(-gap, r, 1), r)
+      q = _fma32(d, r, 0)
+      q = _fma32(r, _fma32(-gap, q, d), q)
+      assert q == _round32(fractions.Fraction(float(d)) / fractions.Fraction(float(gap))), (d, gap)
 
 
 def test_kernel_encoders_match_maps():
