@@ -91,7 +91,21 @@ class KernelMath:
     return jnp.where(positive, inverse, np.float32(0))
 
   def sqrt(self, x):
-    return self._asm("sqrt.rn.f32 $0, $1;", x) if self.triton else jnp.sqrt(x)
+    """``sqrt.rn.f32``. On the GPU its fast path (as ptxas emits it: the
+    reciprocal square root, ``x * r``, one FMA correction), exact for ``x`` in
+    ``[2**-101, max]``, on ``x`` scaled by ``2**100`` below ``2**-100`` (the
+    root then scaled by ``2**-50``: powers of two commute with rounding in
+    the normal range), with ``+-0`` and ``inf`` their own roots: no slow-path
+    subroutine. NaN and negative ``x`` give NaN, as ``sqrt.rn.f32``."""
+    if not self.triton:
+      return jnp.sqrt(x)
+    small = x < np.float32(2.0**-100)
+    root = self._asm(
+        "{ .reg .f32 r, s, h, e; rsqrt.approx.ftz.f32 r, $1; mul.ftz.f32 s, $1, r; "
+        "mul.ftz.f32 h, r, 0f3F000000; neg.f32 e, s; fma.rn.f32 e, e, s, $1; "
+        "fma.rn.f32 $0, e, h, s; }", jnp.where(small, x * np.float32(2.0**100), x))
+    root = jnp.where(small, root * np.float32(2.0**-50), root)
+    return jnp.where((x == 0) | (x == np.float32(np.inf)), x, root)
 
 
 
