@@ -29,8 +29,13 @@ the bytes a step reads and writes per parameter (gradient, codes, scales and
 partial maxima, update), and the ideal time of one step for 1B parameters at
 the HBM bandwidth of an A100 (2.0 TB/s) and an H100 (3.35 TB/s).
 
+It counts each kernel's static SASS instructions (Triton's bundled
+``nvdisasm``) and, with the threads each kernel launches, the instructions a
+whole step executes per parameter (`step_instructions`).
+
 The check fails (exit status 1) on a compile error, on any spill or stack
-frame, and on more than `REGISTER_BUDGET` registers per thread.
+frame, on more than `REGISTER_BUDGET` registers per thread, and on a step
+over its `INSTRUCTION_BUDGETS` (float32 (1024, 2048) leaf, sm_90a).
 
 What this does *not* prove: on a GPU, XLA compiles these custom calls with
 the Triton and LLVM bundled in jaxlib and the CUDA toolkit's ptxas, not with
@@ -457,11 +462,21 @@ class Row:
   occupancy: Optional[float] = None
   bytes_per_param: Optional[dict] = None
   instructions: Optional[int] = None  # static SASS instructions (`sass_instructions`)
+  threads_per_param: Optional[float] = None  # threads launched / parameters of the leaf
   note: str = ""
 
   @property
   def spills(self) -> int:
     return (self.spill_store_bytes or 0) + (self.spill_load_bytes or 0)
+
+  @property
+  def instructions_per_param(self) -> Optional[float]:
+    """Static SASS instructions times threads launched, per parameter: the
+    instructions a step executes per parameter where every thread runs its
+    code once (no loops; a slow path never taken counts too)."""
+    if self.instructions is None or self.threads_per_param is None:
+      return None
+    return self.instructions * self.threads_per_param
 
 
 def collect(cases: Sequence[str], dtypes: Sequence[str], shapes: Sequence[str]) -> list:
@@ -502,6 +517,7 @@ def run_matrix(cases: Sequence[str] = tuple(CASES), dtypes: Sequence[str] = DTYP
         continue
       for label, kernel in zip(kernel_labels(kernels), kernels):
         moved = traffic(kernel, params, dtype)
+        threads = kernel.num_warps * 32 * math.prod(kernel.grid) / params
         for arch in archs:
           result = compile_kernel(kernel, arch, workdir)
           row = Row(case, label, dtype, shape_name, arch, kernel.num_warps,
@@ -511,11 +527,46 @@ def run_matrix(cases: Sequence[str] = tuple(CASES), dtypes: Sequence[str] = DTYP
                     stack_bytes=result["stack_bytes"], shared_bytes=result["shared_bytes"],
                     occupancy=occupancy(result["registers"], result["shared_bytes"],
                                         kernel.num_warps, ARCHS[arch]),
-                    bytes_per_param=moved, instructions=result["instructions"])
+                    bytes_per_param=moved, instructions=result["instructions"],
+                    threads_per_param=threads)
           rows.append(row)
           if progress:
             progress(format_row(row))
   return rows
+
+
+# Static SASS instructions per parameter of a whole step (every kernel of
+# it), float32 (1024, 2048) leaf, sm_90a: issue 35's targets, where the kernels
+# are bound by memory rather than instructions (an H100 retires about 130
+# thread-instructions per parameter while its HBM moves a 4-bit step's
+# 15 bytes). Where a target is not met yet, the budget is the figure reached
+# (a guard against regressions) and the target is noted.
+INSTRUCTION_BUDGETS = {
+    "adamw_4bit default": 179,         # target 100
+    "adamw_4bit paper": 151,           # target 80
+    "adamw_4bit_factor default": 133,  # target 80
+    "sgdm_4bit default": 65,           # target 60
+}
+BUDGET_SHAPE, BUDGET_ARCH, BUDGET_DTYPE = "regular", "sm_90a", "float32"
+
+
+def step_instructions(rows: Sequence[Row], shape: str = BUDGET_SHAPE, arch: str = BUDGET_ARCH,
+                      dtype: str = BUDGET_DTYPE) -> dict:
+  """``{case: {kernel: instructions per parameter, ..., "total": their sum}}``."""
+  steps = {}
+  for r in rows:
+    if (r.shape, r.arch, r.dtype) == (shape, arch, dtype) and r.instructions_per_param:
+      steps.setdefault(r.case, {})[r.kernel] = r.instructions_per_param
+  for kernels in steps.values():
+    kernels["total"] = sum(kernels.values())
+  return steps
+
+
+def over_instruction_budget(rows: Sequence[Row], budgets: dict = INSTRUCTION_BUDGETS) -> list:
+  """``(case, instructions per parameter, budget)`` of the steps over budget."""
+  steps = step_instructions(rows)
+  return [(case, steps[case]["total"], budget) for case, budget in budgets.items()
+          if case in steps and steps[case]["total"] > budget]
 
 
 def problems(rows: Sequence[Row], budget: int = REGISTER_BUDGET) -> list:
@@ -589,6 +640,17 @@ def roofline(rows: Sequence[Row], shape: str = "regular", params: float = 1e9) -
   return "\n".join(lines)
 
 
+def instructions_table(rows: Sequence[Row]) -> str:
+  """Instructions per parameter of each step, per kernel (`step_instructions`)."""
+  lines = [f"| step ({BUDGET_DTYPE}, {SHAPES[BUDGET_SHAPE]}, {BUDGET_ARCH}) | kernels | "
+           "SASS per parameter | budget |", "|---|---|---:|---:|"]
+  for case, kernels in step_instructions(rows).items():
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in kernels.items() if k != "total")
+    lines.append(f"| {case} | {parts} | {kernels['total']:.1f} | "
+                 f"{INSTRUCTION_BUDGETS.get(case, '-')} |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -629,10 +691,16 @@ def main(argv=None) -> int:
     for shape in args.shapes:
       print(f"\n{shape} {SHAPES[shape]}:\n" + markdown(rows, shape))
     print("\n" + roofline(rows, args.shapes[0]))
+    print("\n" + instructions_table(rows))
   if args.json:
     with open(args.json, "w") as f:
       json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+  over = over_instruction_budget(rows)
+  for case, count, budget in over:
+    print(f"FAIL: {case}: {count:.1f} SASS instructions per parameter, budget {budget}")
   failed = problems(rows)
+  if over and not failed:
+    return 1
   if failed:
     print(f"\nFAIL: spills, stack frames or more than {REGISTER_BUDGET} registers per thread:\n"
           + "\n".join([_HEADER] + [format_row(r) for r in failed]))

@@ -14,8 +14,12 @@ extraction of the Triton modules and the occupancy arithmetic are checked
 everywhere. The default run compiles every kernel (quantize, dequantize and
 the fused steps of every optimizer and recipe) in float32 and bfloat16 on a
 ragged (300, 301) leaf for the four architectures: 176 compiles, about a
-minute on 2 CPU cores. The regular (1024, 2048) leaf doubles that and is
-marked slow: ``pytest -m slow tests/test_gpu_compile.py``.
+minute on 2 CPU cores. The fused steps with an instruction budget
+(`gpu_compile.INSTRUCTION_BUDGETS`, issue 35) are also compiled on the
+regular (1024, 2048) float32 leaf for the four architectures, and their
+SASS instructions per parameter checked on sm_90a. The whole matrix on the
+regular leaf doubles the time and is marked slow:
+``pytest -m slow tests/test_gpu_compile.py``.
 """
 
 from __future__ import annotations
@@ -82,6 +86,19 @@ def test_occupancy_matches_the_cuda_calculator():
   assert gpu_compile.occupancy(32, 100 * 1024, 4, 80) == 4 / 64
 
 
+def test_instructions_per_parameter_count_every_thread_launched():
+  row = gpu_compile.Row("c", "step", "float32", "regular", "sm_90a", 8, instructions=1000,
+                        threads_per_param=256 * 1024 / (1024 * 2048))
+  assert row.instructions_per_param == 125.0
+  other = dataclasses.replace(row, kernel="stats", instructions=200)
+  assert gpu_compile.step_instructions([row, other]) == {
+      "c": {"step": 125.0, "stats": 25.0, "total": 150.0}}
+  # Only the budget's shape, architecture and dtype count.
+  assert gpu_compile.step_instructions([dataclasses.replace(row, arch="sm_80")]) == {}
+  assert gpu_compile.over_instruction_budget([row, other], {"c": 149}) == [("c", 150.0, 149)]
+  assert not gpu_compile.over_instruction_budget([row, other], {"c": 150})
+
+
 # --- With triton: compiled through ptxas. ---
 
 
@@ -138,3 +155,18 @@ def test_every_kernel_compiles_for_four_architectures_on_a_regular_leaf(triton, 
   rows = gpu_compile.run_matrix([case], shapes=["regular"])
   assert {r.arch for r in rows} == set(gpu_compile.ARCHS)
   _check(rows)
+
+
+def test_fused_steps_are_within_their_instruction_budgets_on_a_regular_leaf(triton):
+  """Issue 35: the whole step's SASS instructions per parameter on sm_90a
+  (float32, (1024, 2048)), and no spill on any architecture."""
+  del triton
+  budgets = gpu_compile.INSTRUCTION_BUDGETS
+  rows = gpu_compile.run_matrix(list(budgets), dtypes=["float32"], shapes=["regular"])
+  _check(rows)
+  steps = gpu_compile.step_instructions(rows)
+  assert set(steps) == set(budgets)
+  for case, kernels in steps.items():
+    assert 0 < kernels["total"] <= budgets[case], (case, kernels)
+  # The default recipe's two passes: the rank-1 statistics, then the step.
+  assert set(steps["adamw_4bit default"]) == {"stats", "step", "total"}

@@ -10,6 +10,8 @@ GPU).
 
 from __future__ import annotations
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,8 @@ import pytest
 import optax4bit
 from conftest import export_cuda
 from optax4bit import pallas
-from optax4bit.pallas import _engine, _geometry
+from optax4bit.pallas import _codebook, _geometry, _math
+from optax4bit.quant import maps
 from optax4bit.quant.spec import QuantSpec, as_spec
 
 # Small tiles so that tiny shapes still run several programs along both grid
@@ -61,6 +64,8 @@ CASES = [
     ((5, 301), "B128/NF"),
     ((3, 5, 70), "Rank-1/SqrtDE-0"),
     pytest.param((257,), "Rank-1/SqrtDE-0", marks=pytest.mark.slow),
+    # Tiles that cover the leaf exactly: no masks, and the stats pass on 4x tiles.
+    ((8, 256), "Rank-1/SqrtDE-0"),
 ]
 
 KEY = jax.random.key(7)
@@ -72,6 +77,7 @@ STOCHASTIC_CASES = [
     ((3, 4, 20), "B128/NF"),
     pytest.param((4, 300), "B256/DE", marks=pytest.mark.slow),
     ((5, 301), "Rank-1/SqrtDE-0"),
+    ((8, 256), "Rank-1/SqrtDE-0"),  # exact tiles (see CASES)
     pytest.param((3, 5, 70), "Rank-1/DE-0", marks=pytest.mark.slow),
     pytest.param((257,), "Rank-1/SqrtDE-0", marks=pytest.mark.slow),
     pytest.param((6, 33), "Tensor/Linear", marks=pytest.mark.slow),
@@ -115,24 +121,122 @@ def test_quantize_stochastic_multi_row_tiles_and_edge_values():
                    optax4bit.quantize(xs, spec, key=KEY))
 
 
-def test_kernel_stochastic_encoder_matches_maps():
-  """The kernels' copy of `maps.encode_stochastic` and `maps.hashed_uniform`
-  (written for a correctly rounded GPU division) against the originals."""
-  seed = optax4bit.quant.maps.rounding_seed(KEY)
-  u = optax4bit.quant.maps.hashed_uniform(seed, (7, 300), (3,), (10, 300))  # rows 3..9
+def _gather_pair(table, index):
+  pair = jnp.asarray(table)[index]
+  return pair[..., 0], pair[..., 1]
+
+
+_TABLES = [("NF", True), ("DE", True), ("DE", False), ("DE-0", False), ("SqrtDE-0", False),
+           ("Linear", False)]
+
+
+def _bucket_edges(bucket) -> np.ndarray:
+  """Both ends of every bucket, as float32 (NaN buckets left out)."""
+  width = np.uint32(1 << bucket.shift)
+  low = np.arange(bucket.entries.shape[0], dtype=np.uint32) * width
+  ends = np.concatenate([low, low + (width - np.uint32(1))]).view(np.float32)
+  return ends[~np.isnan(ends)]
+
+
+@pytest.mark.parametrize("mapping,signed", _TABLES)
+def test_bucket_lookup_counts_exactly_as_the_reference_search(mapping, signed):
+  """The kernels' table lookup by a float's bits (`_codebook.BucketTable`)
+  against `maps.count_above` (nearest) and `maps.bracket` of the clipped
+  value (stochastic). Both counts are step functions of ``x`` that can only
+  change at a threshold or a bucket edge, so agreeing on every bucket's two
+  ends and on each threshold and its neighbours is agreeing on every float."""
+  table = optax4bit.qmap(mapping, 4, signed)
+  mids = maps.midpoint_thresholds(mapping, 4, signed)
+  for inclusive, thresholds in ((False, mids), (True, table[1:])):
+    bucket = _codebook.bucket_table(mapping, signed, inclusive)
+    near = np.concatenate([thresholds, np.nextafter(thresholds, np.float32(np.inf)),
+                           np.nextafter(thresholds, np.float32(-np.inf))])
+    x = np.concatenate([_bucket_edges(bucket), near, -near,
+                        np.float32([0.0, -0.0, np.inf, -np.inf, 1e-40, -1e-40])])
+    x = jnp.asarray(x.astype(np.float32))
+    got = _math.count_below(x, bucket, bucket.entries, _gather_pair)
+    if inclusive:
+      want, _, _ = maps.bracket(jnp.clip(x, table[0], table[-1]), table)
+    else:
+      want = maps.count_above(x, mids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("mapping,signed", _TABLES)
+def test_stochastic_rounding_gaps_suit_the_unchecked_division(mapping, signed):
+  """`KernelMath.probability` divides by these gaps with the fast path of
+  ``div.rn.f32`` only: they must be normal numbers at most 1, 0 or inf."""
+  value, gap = _codebook.entry_gaps(as_spec(f"B128/{mapping}", signed=signed)).T
+  np.testing.assert_array_equal(value, optax4bit.qmap(mapping, 4, signed))
+  assert gap[-1] == np.inf
+  finite = gap[:-1]
+  assert np.all((finite == 0) | ((finite >= np.finfo(np.float32).tiny) & (finite <= 1)))
+
+
+def _round32(exact) -> np.float32:
+  """``exact`` (a Fraction) rounded to the nearest float32, ties to even."""
+  guess = np.float32(float(exact))
+  candidates = [np.nextafter(guess, np.float32(-np.inf)), guess,
+                np.nextafter(guess, np.float32(np.inf))]
+  return min(candidates, key=lambda c: (abs(fractions.Fraction(float(c)) - exact),
+                                        int(np.array(c).view(np.uint32)) & 1))
+
+
+def _fma32(a, b, c) -> np.float32:
+  frac = lambda x: fractions.Fraction(float(x))
+  return _round32(frac(a) * frac(b) + frac(c))
+
+
+def test_division_fast_path_is_correctly_rounded_for_stochastic_rounding():
+  """`KernelMath.probability`'s PTX, emulated with exact fused multiply-adds
+  (and a correctly rounded reciprocal for the hardware's approximate one):
+  the quotient of ``div.rn`` for every gap of the default recipe's map and
+  differences down to 2**-40 of it, so the decisions ``u < d / gap`` are too."""
+  rng = np.random.RandomState(3)
+  gaps = _codebook.entry_gaps(as_spec("B128/NF", signed=True))[:-1, 1]
+  for gap in gaps:
+    ds = gap * np.concatenate([rng.uniform(0, 1, 24), 2.0 ** -rng.uniform(0, 40, 8), [1.0]])
+    for d in ds.astype(np.float32):
+      r = _round32(1 / fractions.Fraction(float(gap)))
+      r = _fma32(r, _fma32(-gap, r, 1), r)
+      q = _fma32(d, r, 0)
+      q = _fma32(r, _fma32(-gap, q, d), q)
+      assert q == _round32(fractions.Fraction(float(d)) / fractions.Fraction(float(gap))), (d, gap)
+
+
+def test_kernel_encoders_match_maps():
+  """The kernels' encoders (`optax4bit.pallas._math`, table lookups, no clip)
+  against `maps.encode_nearest` / `maps.encode_stochastic`, with
+  `maps.uniform_of_index` the draws of `maps.hashed_uniform`."""
+  seed = maps.rounding_seed(KEY)
+  u = maps.hashed_uniform(seed, (7, 300), (3,), (10, 300))  # rows 3..9
   index = (3 * 300 + jnp.arange(7 * 300, dtype=jnp.uint32)).reshape(7, 300)
-  np.testing.assert_array_equal(np.asarray(_engine.hashed_uniform(seed, index)), np.asarray(u))
+  np.testing.assert_array_equal(np.asarray(maps.uniform_of_index(seed, index)), np.asarray(u))
   rng = np.random.RandomState(0)
-  for name in ("B128/NF", "Rank-1/SqrtDE-0", "B128/DE", "Rank-1/Linear"):
-    spec = _spec(name, stochastic=True)
-    table = optax4bit.qmap(spec.mapping, 4, spec.signed)
-    n = rng.uniform(-1.2 if spec.signed else -0.1, 1.2, (7, 300)).astype(np.float32)
+  for mapping, signed in _TABLES:
+    table = optax4bit.qmap(mapping, 4, signed)
+    n = rng.uniform(-1.2 if signed else -0.1, 1.2, (7, 300)).astype(np.float32)
     n[0, :16] = table  # exactly on entries
     n[1, :16] = np.nextafter(table, np.float32(2))
+    n[2, :16] = np.nextafter(table, np.float32(-2))
+    n[3, :6] = [0.0, -0.0, np.inf, -np.inf, table[0] / 2, -1e-40]
     n = jnp.asarray(n)
+    bracket = _codebook.bucket_table(mapping, signed, inclusive=True)
     np.testing.assert_array_equal(
-        np.asarray(_engine.encode_stochastic(n, u, spec)),
-        np.asarray(optax4bit.quant.maps.encode_stochastic(n, u, spec.mapping, 4, spec.signed)))
+        np.asarray(_math.encode_stochastic(n, u, bracket, bracket.entries,
+                                           _codebook.entry_gaps(as_spec(f"B128/{mapping}",
+                                                                        signed=signed)),
+                                           _gather_pair)),
+        np.asarray(maps.encode_stochastic(n, u, mapping, 4, signed)))
+    spec = as_spec(f"B128/{mapping}", signed=signed)
+    nearest = _codebook.bucket_table(mapping, signed, inclusive=False)
+    np.testing.assert_array_equal(
+        np.asarray(_math.encode_nearest(n, spec, nearest, nearest.entries, _gather_pair)),
+        np.asarray(maps.encode_nearest(n, mapping, 4, signed)))
+    codes = jnp.arange(256, dtype=jnp.int32)
+    even, odd = _math.decode_bytes(codes, _codebook.decode_pairs(spec), _gather_pair)
+    np.testing.assert_array_equal(np.asarray(even), table[np.arange(256) & 15])
+    np.testing.assert_array_equal(np.asarray(odd), table[np.arange(256) >> 4])
 
 
 @pytest.mark.parametrize("name", ["B128/DE", "Rank-1/Linear"])

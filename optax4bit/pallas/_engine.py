@@ -44,17 +44,22 @@ Every optimizer of this package satisfies that.
 Numerics follow the jnp reference operation by operation: the same decode
 (table entry times scale), the same normalization ``n = (x * (4 / scale)) *
 0.25`` with the reciprocal taken on the scale arrays (for rank-1 ``4 / min(mu)
-== max(4 / mu)``), NaN mapped to 0, and the same select-tree / closed-form
-encoders (`optax4bit.quant.maps`), so in interpret mode the quantizers
-reproduce the reference bit for bit. Stochastic rounding takes one uint32
-seed per new moment (an input after the coefficients) and draws, for the
-element at row ``r`` and column ``c`` of the ``(R, D)`` view, the hashed
-uniform of flat index ``r * D + c`` (modulo 2**32; for a shard, ``base[r] +
-c`` with the row's index in the whole leaf as an input), exactly
-`optax4bit.quant.maps.hashed_uniform`'s draw for that element, whatever the
-tiling; its encoder is `maps.encode_stochastic` operation by operation. On the GPU,
-divisions and square roots use correctly rounded PTX (``div.rn.f32``,
-``sqrt.rn.f32``; Triton's own ``/`` is the approximate ``div.full.f32``).
+== max(4 / mu)``), NaN mapped to 0, and encoders that give the reference's
+codes bit for bit. The elementwise math is `optax4bit.pallas._math`; it reads
+the 4-bit maps through small lookup tables (`optax4bit.pallas._codebook`,
+kernel inputs after all others) instead of the reference's select trees.
+Stochastic rounding takes one uint32 seed per new moment (an input after the
+coefficients) and draws, for the element at row ``r`` and column ``c`` of the
+``(R, D)`` view, the hashed uniform of flat index ``r * D + c`` (modulo
+2**32; for a shard, ``base[r] + c`` with the row's index in the whole leaf as
+an input), exactly `optax4bit.quant.maps.hashed_uniform`'s draw for that
+element, whatever the tiling. On the GPU, divisions and square roots use
+correctly rounded PTX (``div.rn.f32``, ``sqrt.rn.f32``; Triton's own ``/`` is
+the approximate ``div.full.f32``). Where the tiles cover the leaf exactly
+(`Geometry.exact`), the kernels carry no masks.
+
+The two passes are `_stats_kernel` and `_step_kernel`, over the refs of
+`_Refs` (named by what they hold) and the indices of one program's `_Tile`.
 """
 
 from __future__ import annotations
@@ -68,18 +73,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax4bit._platform import compiled_only_for
-from optax4bit.pallas import _operands
+from optax4bit.pallas import _codebook, _math, _operands
 from optax4bit.pallas._geometry import (
     DEFAULT_NUM_WARPS,
     DEFAULT_TILE_BYTES,
+    STATS_TILE_FACTOR,
     Format,
     Geometry,
     geometry,
     moment_format,
 )
-from optax4bit.quant import maps, normalize
+from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray
-from optax4bit.quant.spec import QuantSpec
 
 def _pallas():
   """``(pl, plgpu)``, imported on first use: importing Pallas costs a
@@ -93,36 +98,6 @@ def _pallas():
 # Kernel side.
 
 
-class KernelMath:
-  """Division and square root, correctly rounded on both backends."""
-
-  def __init__(self, triton: bool):
-    self.triton = triton
-
-  def _asm(self, asm: str, *args):
-    shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
-    args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in args]
-    constraints = "=r," + ",".join("r" for _ in args)
-    _, plgpu = _pallas()
-    (out,) = plgpu.elementwise_inline_asm(
-        asm, args=args, constraints=constraints, pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
-    return out
-
-  def div(self, a, b):
-    if self.triton:
-      return self._asm("div.rn.f32 $0, $1, $2;", a, b)
-    return a / b
-
-  def sqrt(self, x):
-    if self.triton:
-      return self._asm("sqrt.rn.f32 $0, $1;", x)
-    return jnp.sqrt(x)
-
-  def inverse_times_4(self, s):
-    return normalize.inverse_times_4(s, self.div)
-
-
 @dataclasses.dataclass(frozen=True)
 class SideInput:
   """A float32 array broadcast against the leaf: ``"row"`` (R,) or
@@ -134,50 +109,27 @@ def _iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _load(ref, index, mask):
+def _load(ref, index, mask=None):
   _, plgpu = _pallas()
+  if mask is None:
+    return plgpu.load(ref.at[index])
   return plgpu.load(ref.at[index], mask=mask, other=jnp.zeros((), ref.dtype))
 
 
-def _finite_abs(x, mask):
-  return jnp.where(mask & jnp.isfinite(x), jnp.abs(x), np.float32(0))
+def _store(ref, index, value, mask=None):
+  _, plgpu = _pallas()
+  plgpu.store(ref.at[index], value, mask=mask)
 
 
-def hashed_uniform(seed, index):
-  """`optax4bit.quant.maps.hashed_uniform` of uint32 element indices (flat
-  indices in the leaf, modulo 2**32) under a uint32 ``seed``."""
-  bits = maps.mix32(index ^ seed)
-  return (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+def _gather_pair(table, index):
+  """Row ``index`` of a two-column table, stored transposed (``(2, N)``,
+  `_table_operand`): the second load is at a constant offset from the first
+  (a tile-shaped ``(..., 2)`` load would need a change of layout both ways)."""
+  return tuple(_load(table, (np.int32(k), index)) for k in range(2))
 
 
-def encode_stochastic(n, uniform, spec: QuantSpec, div=jnp.divide):
-  """`optax4bit.quant.maps.encode_stochastic`, operation by operation, with
-  the division taken by ``div`` (correctly rounded on the GPU)."""
-  table = maps.qmap(spec.mapping, spec.bits, spec.signed)
-  n = jnp.clip(n, table[0], table[-1])
-  lower, low_value, _ = maps.bracket(n, table)
-  # The gap to the next entry from a table of the same float32 differences
-  # rather than from the bracket's upper entry: one float fewer live through
-  # the search keeps the ragged steps within ptxas's register targets.
-  gaps = np.append(np.diff(table), np.float32(0))
-  decided = [(lower & (1 << (spec.bits - 1 - level))) != 0 for level in range(spec.bits)]
-  gap = maps._select_by_bits(decided, list(gaps))  # pylint: disable=protected-access
-  round_up_probability = jnp.where(gap > 0, div(n - low_value, jnp.where(gap > 0, gap, 1)), 0)
-  return lower + (uniform < round_up_probability).astype(jnp.int32)
-
-
-def _encode(x, inverse_times_4, spec: QuantSpec, uniform=None, div=jnp.divide):
-  """Codes of ``x`` given ``4 / scale`` (`normalize.normalize`, then the
-  table's encoder; ``uniform``: the draws of stochastic rounding)."""
-  n = (x * inverse_times_4) * np.float32(0.25)
-  n = jnp.where(jnp.isnan(n), np.float32(0), n)
-  if spec.stochastic:
-    return encode_stochastic(n, uniform, spec, div).astype(jnp.int32)
-  return maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed).astype(jnp.int32)
-
-
-def _pack(code_even, code_odd, valid_odd):
-  return (code_even | (jnp.where(valid_odd, code_odd, 0) << 4)).astype(jnp.uint8)
+def _table_operand(table: np.ndarray) -> jax.Array:
+  return jnp.asarray(np.ascontiguousarray(table.T))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,137 +146,226 @@ class _Plan:
   old_read: tuple     # per old moment: whether this pass reads it (else zeros)
 
 
-def _kernel(plan: _Plan, fn: Callable, stats_pass: bool, triton: bool, *refs):
-  geo = plan.geo
-  it = iter(refs)
-  coef_ref = next(it) if plan.num_coef else None
-  seed_ref = next(it) if plan.seeded else None
-  base_ref = next(it) if plan.row_based else None
-  dense_refs = [next(it) for _ in range(plan.dense_in)]
-  old_refs = []
-  for fmt, read in zip(plan.old, plan.old_read):
-    count = {"block": 2, "group": 2, "rank1": 3}[fmt.kind] if read else 0
-    old_refs.append([next(it) for _ in range(count)])
-  side_refs = [next(it) for _ in plan.side]
-  inv_refs = []
-  if not stats_pass:
-    for fmt in plan.new:
-      if not fmt.local:
-        inv_refs.append([next(it) for _ in range(2 if fmt.kind == "rank1" else 1)])
-  outs = list(it)
+def _scale_count(fmt: Format) -> int:
+  return 2 if fmt.kind == "rank1" else 1
 
-  pl, plgpu = _pallas()
-  i, j = pl.program_id(0), pl.program_id(1)
-  br, nbt, s = geo.tile
-  shape = geo.tile
-  row = i * br + _iota(shape, 0)
-  seg = j * nbt + _iota(shape, 1)
-  byte = seg * s + _iota(shape, 2)
-  row_1 = i * br + _iota((br, 1, 1), 0)
-  valid_row = row_1 < geo.rows
-  valid = (row < geo.rows) & (byte < geo.half)
-  cols = (2 * byte, 2 * byte + 1)
-  valids = (valid, valid & (cols[1] < geo.cols))
-  kmath = KernelMath(triton)
-  coef = tuple(coef_ref[k] for k in range(plan.num_coef))
 
-  def uniforms(k: int, fmt: Format):
-    """Stochastic rounding's draws for new moment ``k`` (even, odd halves):
-    hashed flat element indices ``row * D + column`` of the leaf."""
-    if not fmt.spec.stochastic:
-      return None, None
-    seed = seed_ref[k]
-    if base_ref is not None:  # a shard of a larger leaf
-      row_index = _load(base_ref, row_1, valid_row)
-    else:
-      row_index = row_1.astype(jnp.uint32) * np.uint32(geo.cols % 2**32)
-    return tuple(hashed_uniform(seed, row_index + c.astype(jnp.uint32)) for c in cols)
+def _encode_tables(fmt: Format) -> tuple:
+  """The lookup tables of new moment ``fmt``'s encoder (`_codebook`)."""
+  spec = fmt.spec
+  if spec.stochastic:
+    bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=True)
+    return (bucket.entries, _codebook.entry_gaps(spec))
+  if spec.mapping == "Linear":
+    return ()
+  return (_codebook.bucket_table(spec.mapping, spec.signed, inclusive=False).entries,)
 
-  def row_index(fmt: Format):
+
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+  """The refs of one pass, by name (in the order of the call's operands)."""
+  coef: Any
+  seeds: Any
+  row_bases: Any
+  dense: tuple
+  old: tuple            # per old moment: (codes, *scales), () if not read
+  side: tuple
+  inverse: tuple        # step pass: per new moment, its inverse scales (global ones)
+  decode_tables: tuple  # per old moment: its decode table (None if not read)
+  encode_tables: tuple  # step pass: per new moment, its encoder's tables
+  out: tuple
+
+  @classmethod
+  def split(cls, plan: _Plan, stats_pass: bool, refs: Sequence) -> "_Refs":
+    it = iter(refs)
+    take = lambda n: tuple(next(it) for _ in range(n))
+    coef = next(it) if plan.num_coef else None
+    seeds = next(it) if plan.seeded else None
+    row_bases = next(it) if plan.row_based else None
+    dense = take(plan.dense_in)
+    old = tuple(take(1 + _scale_count(f)) if read else ()
+                for f, read in zip(plan.old, plan.old_read))
+    side = take(len(plan.side))
+    inverse = tuple(() if stats_pass or f.local else take(_scale_count(f)) for f in plan.new)
+    decode_tables = tuple(next(it) if read else None for read in plan.old_read)
+    encode_tables = tuple(() if stats_pass else take(len(_encode_tables(f))) for f in plan.new)
+    return cls(coef, seeds, row_bases, dense, old, side, inverse, decode_tables, encode_tables,
+               tuple(it))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+  """Indices of one program's tile: ``(BR, NBT, S)`` code bytes, each the
+  even and the odd element of the leaf's ``(R, D)`` view; masks are None
+  where the tiling covers the leaf exactly."""
+  geo: Geometry
+  row: Any
+  byte: Any
+  cols: tuple
+  valid: Any
+  valids: tuple
+  row_1: Any          # (BR, 1, 1) rows
+  valid_row: Any
+
+  @classmethod
+  def of_program(cls, geo: Geometry, i, j) -> "_Tile":
+    br, nbt, s = shape = geo.tile
+    row = i * br + _iota(shape, 0)
+    byte = (j * nbt + _iota(shape, 1)) * s + _iota(shape, 2)
+    row_1 = i * br + _iota((br, 1, 1), 0)
+    cols = (2 * byte, 2 * byte + 1)
+    if geo.exact:
+      return cls(geo, row, byte, cols, None, (None, None), row_1, None)
+    valid = (row < geo.rows) & (byte < geo.half)
+    return cls(geo, row, byte, cols, valid, (valid, valid & (cols[1] < geo.cols)), row_1,
+               row_1 < geo.rows)
+
+  def load_halves(self, ref):
+    """The even and odd elements (float32) of a leaf-shaped ref."""
+    return tuple(_load(ref, (self.row, c), v).astype(jnp.float32)
+                 for c, v in zip(self.cols, self.valids))
+
+  def store_halves(self, ref, halves):
+    for c, v, value in zip(self.cols, self.valids, halves):
+      _store(ref, (self.row, c), value.astype(ref.dtype), v)
+
+  def group_index(self, fmt: Format):
     """Flat index of the group scale of each row (group formats)."""
-    lead_index = jax.lax.div(row_1, np.int32(geo.axis_rows))
-    in_lead = jax.lax.rem(row_1, np.int32(geo.axis_rows))
-    return lead_index * _operands.num_groups(fmt, geo) + jax.lax.div(in_lead, np.int32(fmt.group_rows))
+    geo = self.geo
+    lead_index = jax.lax.div(self.row_1, np.int32(geo.axis_rows))
+    in_lead = jax.lax.rem(self.row_1, np.int32(geo.axis_rows))
+    return (lead_index * _operands.num_groups(fmt, geo)
+            + jax.lax.div(in_lead, np.int32(fmt.group_rows)))
 
-  def per_element_scale(fmt: Format, scale_refs, combine):
-    """Scale (or inverse) of the even and odd elements."""
+  def per_element(self, fmt: Format, scale_refs, combine):
+    """A moment's scale (or inverse scale) for the even and odd elements."""
     if fmt.kind == "block":
-      block = jax.lax.div(byte, np.int32(fmt.block_bytes))
-      value = _load(scale_refs[0], (row, block), valid)
+      block = jax.lax.div(self.byte, np.int32(fmt.block_bytes))
+      value = _load(scale_refs[0], (self.row, block), self.valid)
       return value, value
     if fmt.kind == "group":
-      value = _load(scale_refs[0], row_index(fmt), valid_row)
+      value = _load(scale_refs[0], self.group_index(fmt), self.valid_row)
       return value, value
-    row_value = _load(scale_refs[0], row_1, valid_row)
-    return tuple(combine(row_value, _load(scale_refs[1], c, v)) for c, v in zip(cols, valids))
+    row_value = _load(scale_refs[0], self.row_1, self.valid_row)
+    return tuple(combine(row_value, _load(scale_refs[1], c, v))
+                 for c, v in zip(self.cols, self.valids))
 
-  # Inputs of both halves.
-  dense = [[_load(ref, (row, c), v).astype(jnp.float32) for ref in dense_refs]
-           for c, v in zip(cols, valids)]
-  old = [[], []]
-  for fmt, refs_k in zip(plan.old, old_refs):
-    if not refs_k:  # not needed in this pass (and possibly overwritten already)
-      old[0].append(jnp.zeros(shape, jnp.float32))
-      old[1].append(jnp.zeros(shape, jnp.float32))
-      continue
-    packed = _load(refs_k[0], (row, byte), valid).astype(jnp.int32)
-    codes = (packed & 15, packed >> 4)
-    scale = per_element_scale(fmt, refs_k[1:], jnp.minimum)
-    for h in range(2):
-      value = maps.decode(codes[h], fmt.spec.mapping, fmt.spec.bits, fmt.spec.signed)
-      old[h].append(value * scale[h])
-  side = [[], []]
-  for side_input, ref in zip(plan.side, side_refs):
-    if side_input.kind == "row":
-      value = _load(ref, row_1, valid_row)
-      side[0].append(value)
-      side[1].append(value)
+  def uniforms(self, seed, row_bases):
+    """Stochastic rounding's draws (even, odd): hashed flat element indices
+    ``row * D + column`` of the leaf (``row_bases[row] + column`` for a
+    shard)."""
+    if row_bases is not None:
+      row_index = _load(row_bases, self.row_1, self.valid_row)
     else:
-      lead_index = jax.lax.div(row, np.int32(geo.axis_rows))
-      for h in range(2):
-        side[h].append(_load(ref, (lead_index, cols[h]), valids[h]))
+      row_index = self.row_1.astype(jnp.uint32) * np.uint32(self.geo.cols % 2**32)
+    return tuple(maps.uniform_of_index(seed, row_index + c.astype(jnp.uint32))
+                 for c in self.cols)
 
-  results = [fn(kmath, coef, tuple(dense[h]), tuple(old[h]), tuple(side[h])) for h in range(2)]
+  def segment_max(self, halves):
+    """Per (row, segment) maximum of the finite ``|x|`` of both halves."""
+    absolute = [_math.finite_abs(x, v) for x, v in zip(halves, self.valids)]
+    return absolute, jnp.maximum(absolute[0].max(axis=2), absolute[1].max(axis=2))
 
-  out_it = iter(outs)
-  row_2 = i * br + _iota((br, nbt), 0)
-  seg_2 = j * nbt + _iota((br, nbt), 1)
-  valid_2 = (row_2 < geo.rows) & (seg_2 < geo.num_segs)
-  if not stats_pass:
-    for k, dtype in enumerate(plan.dense_out):
-      ref = next(out_it)
+
+def _inputs(plan: _Plan, refs: _Refs, tile: _Tile):
+  """The step function's inputs, per half: ``(dense, old, side)``."""
+  geo = plan.geo
+  dense = list(zip(*(tile.load_halves(ref) for ref in refs.dense))) or [(), ()]
+  old = [[], []]
+  for fmt, moment, table in zip(plan.old, refs.old, refs.decode_tables):
+    if not moment:  # not needed in this pass (and possibly overwritten already)
       for h in range(2):
-        plgpu.store(ref.at[row, cols[h]], results[h][0][k].astype(dtype), mask=valids[h])
-  inv_it = iter(inv_refs)
+        old[h].append(jnp.zeros(geo.tile, jnp.float32))
+      continue
+    packed = _load(moment[0], (tile.row, tile.byte), tile.valid).astype(jnp.int32)
+    values = _math.decode_bytes(packed, table, _gather_pair)
+    scale = tile.per_element(fmt, moment[1:], jnp.minimum)
+    for h in range(2):
+      old[h].append(values[h] * scale[h])
+  side = [[], []]
+  for side_input, ref in zip(plan.side, refs.side):
+    if side_input.kind == "row":
+      value = _load(ref, tile.row_1, tile.valid_row)
+      values = (value, value)
+    else:
+      lead_index = jax.lax.div(tile.row, np.int32(geo.axis_rows))
+      values = tuple(_load(ref, (lead_index, c), v) for c, v in zip(tile.cols, tile.valids))
+    for h in range(2):
+      side[h].append(values[h])
+  return [(tuple(dense[h]), tuple(old[h]), tuple(side[h])) for h in range(2)]
+
+
+def _segment_index(geo: Geometry, i, j):
+  br, nbt, _ = geo.tile
+  row = i * br + _iota((br, nbt), 0)
+  seg = j * nbt + _iota((br, nbt), 1)
+  return (row, seg), None if geo.exact else (row < geo.rows) & (seg < geo.num_segs)
+
+
+def _stats_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
+  """Pass 1: the partial maxima of the new moments whose scales span tiles:
+  per (row, segment), and for rank-1 also per (row tile, column)."""
+  pl, _ = _pallas()
+  refs = _Refs.split(plan, True, refs)
+  geo = plan.geo
+  i, j = pl.program_id(0), pl.program_id(1)
+  tile = _Tile.of_program(geo, i, j)
+  coef = tuple(refs.coef[k] for k in range(plan.num_coef))
+  results = [fn(_math.KernelMath(triton), coef, *args) for args in _inputs(plan, refs, tile)]
+  segment, segment_valid = _segment_index(geo, i, j)
+  out = iter(refs.out)
+  for k, fmt in enumerate(plan.new):
+    if fmt.local:
+      continue
+    absolute, seg_max = tile.segment_max((results[0][1][k], results[1][1][k]))
+    _store(next(out), segment, seg_max, segment_valid)
+    if fmt.kind == "rank1":
+      col_ref = next(out)
+      nbt, s = geo.tile[1:]
+      tile_row = jnp.full((nbt, s), i, jnp.int32)
+      byte = (j * nbt + _iota((nbt, s), 0)) * s + _iota((nbt, s), 1)
+      for h in range(2):
+        col = 2 * byte + h
+        _store(col_ref, (tile_row, col), absolute[h].max(axis=0),
+               None if geo.exact else col < geo.cols)
+
+
+def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
+  """Pass 2: the dense outputs and every new moment, encoded."""
+  pl, _ = _pallas()
+  refs = _Refs.split(plan, False, refs)
+  geo = plan.geo
+  i, j = pl.program_id(0), pl.program_id(1)
+  tile = _Tile.of_program(geo, i, j)
+  kmath = _math.KernelMath(triton)
+  coef = tuple(refs.coef[k] for k in range(plan.num_coef))
+  results = [fn(kmath, coef, *args) for args in _inputs(plan, refs, tile)]
+  out = iter(refs.out)
+  for k in range(len(plan.dense_out)):
+    tile.store_halves(next(out), (results[0][0][k], results[1][0][k]))
+  segment, segment_valid = _segment_index(geo, i, j)
   for k, fmt in enumerate(plan.new):
     values = (results[0][1][k], results[1][1][k])
-    if stats_pass:  # the partial maxima of the moments whose scales span tiles
-      if fmt.local:
-        continue
-      absolute = [_finite_abs(values[h], valids[h]) for h in range(2)]
-      seg_max = jnp.maximum(absolute[0].max(axis=2), absolute[1].max(axis=2))
-      plgpu.store(next(out_it).at[row_2, seg_2], seg_max, mask=valid_2)
-      if fmt.kind == "rank1":
-        col_ref = next(out_it)
-        tile_row = jnp.full((nbt, s), i, jnp.int32)
-        byte_2 = (j * nbt + _iota((nbt, s), 0)) * s + _iota((nbt, s), 1)
-        for h in range(2):
-          col_c = 2 * byte_2 + h
-          plgpu.store(col_ref.at[tile_row, col_c], absolute[h].max(axis=0),
-                      mask=col_c < geo.cols)
-      continue
-    uniform = uniforms(k, fmt)
+    codes_ref = next(out)
     if fmt.local:
-      codes_ref, scales_ref = next(out_it), next(out_it)
-      absolute = [_finite_abs(values[h], valids[h]) for h in range(2)]
-      seg_max = jnp.maximum(absolute[0].max(axis=2), absolute[1].max(axis=2))
+      _, seg_max = tile.segment_max(values)
       inverse = (kmath.inverse_times_4(seg_max)[:, :, None],) * 2
-      plgpu.store(scales_ref.at[row_2, seg_2], seg_max, mask=valid_2)
+      _store(next(out), segment, seg_max, segment_valid)
     else:
-      codes_ref = next(out_it)
-      inverse = per_element_scale(fmt, next(inv_it), jnp.maximum)
-    codes = [_encode(values[h], inverse[h], fmt.spec, uniform[h], kmath.div) for h in range(2)]
-    plgpu.store(codes_ref.at[row, byte], _pack(codes[0], codes[1], valids[1]), mask=valid)
+      inverse = tile.per_element(fmt, refs.inverse[k], jnp.maximum)
+    n = [_math.normalized(values[h], inverse[h]) for h in range(2)]
+    spec, tables = fmt.spec, refs.encode_tables[k]
+    if spec.stochastic:
+      bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=True)
+      uniform = tile.uniforms(refs.seeds[k], refs.row_bases)
+      codes = [_math.encode_stochastic(n[h], uniform[h], bucket, *tables, _gather_pair,
+                                       kmath.probability) for h in range(2)]
+    else:
+      bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=False)
+      codes = [_math.encode_nearest(n[h], spec, bucket, tables[0] if tables else None,
+                                    _gather_pair) for h in range(2)]
+    _store(codes_ref, (tile.row, tile.byte), _math.pack(codes[0], codes[1], tile.valids[1]),
+           tile.valid)
 
 
 _COMPILED_FOR_CPU_ERROR = (
@@ -336,7 +377,8 @@ _COMPILED_FOR_CPU_ERROR = (
 
 def _call(plan: _Plan, fn, stats_pass: bool, inputs: list, out_shapes: list, aliases: dict,
           options: "Options"):
-  kernel = functools.partial(_kernel, plan, fn, stats_pass, not options.interpret)
+  kernel = functools.partial(_stats_kernel if stats_pass else _step_kernel, plan, fn,
+                             not options.interpret)
   pl, plgpu = _pallas()
   if not options.interpret:
     inputs = [compiled_only_for(inputs[0], ("cuda", "rocm"), _COMPILED_FOR_CPU_ERROR),
@@ -354,9 +396,9 @@ def _call(plan: _Plan, fn, stats_pass: bool, inputs: list, out_shapes: list, ali
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """Static options of a kernel launch."""
+  """Static options of a kernel launch (``tile_bytes`` None: the default)."""
   interpret: bool = False
-  tile_bytes: int = DEFAULT_TILE_BYTES
+  tile_bytes: Optional[int] = DEFAULT_TILE_BYTES
   num_warps: int = DEFAULT_NUM_WARPS
 
 
@@ -397,7 +439,8 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
   """
   shape = tuple(shape)
   specs = [q.spec for q in old] + [spec for spec, _ in new]
-  geo = geometry(shape, specs, options.tile_bytes)
+  tile_bytes = options.tile_bytes or DEFAULT_TILE_BYTES
+  geo = geometry(shape, specs, tile_bytes)
   old_fmts = tuple(moment_format(q.spec, geo) for q in old)
   new_fmts = tuple(moment_format(spec, geo) for spec, _ in new)
   alias = tuple(alias) if alias else (None,) * len(new)
@@ -433,6 +476,12 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
         inputs.extend(ops)
     return inputs + side_ops, position
 
+  decode_tables = [_table_operand(_codebook.decode_pairs(f.spec)) for f in old_fmts]
+  encode_tables = [_table_operand(t) for f in new_fmts for t in _encode_tables(f)]
+
+  def tables(read: Sequence[bool], encode: bool) -> list:
+    return [t for t, r in zip(decode_tables, read) if r] + (encode_tables if encode else [])
+
   new_scales = [None] * len(new_fmts)
   deferred = [k for k, fmt in enumerate(new_fmts) if not fmt.local]
   if deferred:
@@ -441,17 +490,23 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     # else, so that the step pass below can overwrite every input it reads.
     read = tuple(any(alias[k] == m for k in deferred) for m in range(len(old)))
     inputs, _ = assemble(read)
+    inputs += tables(read, False)
+    # Larger tiles than the step's where they cover the leaf exactly: this pass
+    # holds few values per element (no encoder), and more elements per thread
+    # share the index arithmetic (with masks, ptxas runs out of registers).
+    stats_geo = geometry(shape, specs, tile_bytes * STATS_TILE_FACTOR, segment=geo.seg)
+    stats_geo = stats_geo if stats_geo.exact else geo
     out_shapes = []
     for k in deferred:
       out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))
       if new_fmts[k].kind == "rank1":
-        out_shapes.append(jax.ShapeDtypeStruct((geo.row_tiles, geo.cols), jnp.float32))
-    outs = list(_call(dataclasses.replace(plan, old_read=read), fn, True, inputs, out_shapes,
-                      {}, options))
+        out_shapes.append(jax.ShapeDtypeStruct((stats_geo.row_tiles, geo.cols), jnp.float32))
+    outs = list(_call(dataclasses.replace(plan, geo=stats_geo, old_read=read), fn, True, inputs,
+                      out_shapes, {}, options))
     for k in deferred:
       row_part = outs.pop(0)
       col_part = outs.pop(0) if new_fmts[k].kind == "rank1" else None
-      new_scales[k] = _operands.scales_from_partials(new_fmts[k], geo, row_part, col_part,
+      new_scales[k] = _operands.scales_from_partials(new_fmts[k], stats_geo, row_part, col_part,
                                                      reduce_scales)
 
   # Step pass: the update and every new moment, each written over the input
@@ -460,6 +515,7 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
   inputs, position = assemble(plan.old_read)
   for k in deferred:
     inputs.extend(_operands.encode_operands(new_scales[k], new_fmts[k], geo))
+  inputs += tables(plan.old_read, True)
   out_shapes, aliases = [], {}
   for k, dtype in enumerate(plan.dense_out):
     if k < len(dense_in) and jnp.dtype(dense_in[k].dtype) == dtype:

@@ -19,6 +19,13 @@ from optax4bit.quant.spec import QuantSpec
 # occupancy on sm_80/sm_90a). 4 per thread would leave many kernels at 64
 # registers, where ptxas starts to spill. Tunable with `PallasConfig`.
 DEFAULT_TILE_BYTES = 1024
+# The stats pass (partial maxima of rank-1/tensor moments) tiles by this many
+# times the step's bytes where those tiles cover the leaf exactly: it holds no
+# encoder's values, so it has registers to spare (63 on sm_90a), and more
+# elements per thread share the index arithmetic and the column reductions.
+# With masks (ragged leaves) the same tiles need 115-128 registers, and 2x
+# spills at ptxas's 64-register target: those keep the step's tiles.
+STATS_TILE_FACTOR = 4
 # Segment width (bytes) when no moment is block-wise local.
 DEFAULT_SEGMENT_BYTES = 64
 DEFAULT_NUM_WARPS = 8
@@ -72,6 +79,13 @@ class Geometry:
   @property
   def grid(self) -> tuple:
     return (self.row_tiles, -(-self.num_segs // self.segs_per_tile))
+
+  @property
+  def exact(self) -> bool:
+    """Whether the tiles cover the leaf exactly (an even last axis, whole
+    row tiles and segment tiles): the kernels then need no masks."""
+    return (self.cols % 2 == 0 and self.rows % self.rows_per_tile == 0
+            and self.half % (self.seg * self.segs_per_tile) == 0)
 
   @property
   def tile(self) -> tuple:

@@ -318,5 +318,12 @@ def hashed_uniform(seed: jax.Array, shape: tuple, origin: tuple = (),
       position = position + jnp.asarray(origin[axis]).astype(jnp.uint32)
     index = index + position * np.uint32(stride % 2**32)
     stride *= full_shape[axis]
+  return uniform_of_index(seed, index)
+
+
+def uniform_of_index(seed: jax.Array, index: jax.Array) -> jax.Array:
+  """The U[0, 1) float32 draw of uint32 flat element ``index`` under uint32
+  ``seed``: ``(mix32(index ^ seed) >> 8) / 2**24`` (`hashed_uniform` of one
+  element; kernels compute the index themselves)."""
   bits = mix32(index ^ seed)
   return (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)

@@ -1,0 +1,137 @@
+"""The lookup tables the kernels read a 4-bit map through (numpy, built once).
+
+Select trees over 16 constants cost a Triton kernel about 15 selects per
+lookup; a lookup in a small table in global memory (cached in L1) costs an
+address and one load. Three kinds of table, each exact:
+
+* ``decode_pairs``: ``(256, 2)`` float32, the entries of the two codes of a
+  packed byte, ``(table[b & 15], table[b >> 4])``: one 8-byte load decodes
+  two elements.
+* ``BucketTable``: the count of sorted thresholds below ``x``
+  (`optax4bit.quant.maps.count_above`) by the bits of ``x``. The top
+  ``9 + m`` bits of a float32 (sign, exponent and ``m`` mantissa bits) name
+  a bucket, an interval of floats; ``m`` is the smallest with at most one
+  threshold inside any bucket. A bucket stores that threshold (NaN if none:
+  no comparison with NaN holds) and the count at its low end, so the count
+  is ``base + (x > threshold)`` (``>=`` for inclusive counts): the same
+  comparison with the same float32 threshold as the reference's search, so
+  flushing of subnormals (XLA's CPU backend) changes both alike.
+* ``entry_gaps``: ``(16, 2)`` float32, each entry and the distance to the
+  next one (``inf`` after the last, where stochastic rounding's probability
+  is then 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from optax4bit.quant import maps
+from optax4bit.quant.spec import QuantSpec
+
+_EXPONENT_BITS = 8
+_MANTISSA_BITS = 23
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_pairs(mapping: str, signed: bool) -> np.ndarray:
+  table = maps.qmap(mapping, 4, signed)
+  byte = np.arange(256)
+  return np.stack([table[byte & 15], table[byte >> 4]], axis=1).astype(np.float32)
+
+
+def decode_pairs(spec: QuantSpec) -> np.ndarray:
+  """``(256, 2)`` float32: the decoded even and odd element of each byte."""
+  return _decode_pairs(spec.mapping, spec.signed)
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_gaps(mapping: str, signed: bool) -> np.ndarray:
+  table = maps.qmap(mapping, 4, signed)
+  gaps = np.append(np.diff(table), np.float32(np.inf))
+  # `_math.KernelMath.probability` divides by these without a range check.
+  finite = gaps[np.isfinite(gaps) & (gaps != 0)]
+  assert np.all((finite >= np.finfo(np.float32).tiny) & (finite <= 1)), (mapping, gaps)
+  return np.stack([table, gaps], axis=1).astype(np.float32)
+
+
+def entry_gaps(spec: QuantSpec) -> np.ndarray:
+  """``(16, 2)`` float32: each table entry and the gap to the next one."""
+  return _entry_gaps(spec.mapping, spec.signed)
+
+
+def _bucket_bounds(mantissa: int) -> tuple:
+  """The lowest and highest float32 of every bucket (bucket ``i`` is the
+  floats whose bits shifted right by ``23 - mantissa`` are ``i``), for
+  finite buckets: infinities and NaNs (exponent 255) are left out."""
+  per_sign = 1 << (_EXPONENT_BITS + mantissa)
+  width = 1 << (_MANTISSA_BITS - mantissa)
+  finite = per_sign - (1 << mantissa)
+  low_bits = np.arange(finite, dtype=np.uint32) * np.uint32(width)
+  low = low_bits.view(np.float32)
+  high = (low_bits + np.uint32(width - 1)).view(np.float32)
+  # Negative floats: the same magnitudes, in the other order.
+  return (np.concatenate([low, -high]), np.concatenate([high, -low]), per_sign, finite)
+
+
+def _counts(x: np.ndarray, thresholds: np.ndarray, inclusive: bool) -> np.ndarray:
+  above = x[:, None] >= thresholds[None] if inclusive else x[:, None] > thresholds[None]
+  return above.sum(axis=1).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTable:
+  """``count_above`` of ``thresholds`` as a table lookup by bits (see module)."""
+  shift: int          # bucket = bits >> shift (as uint32)
+  inclusive: bool     # count thresholds <= x rather than < x
+  entries: np.ndarray  # (buckets, 2) int32: threshold bits, count at the bucket's low end
+
+
+def _build(thresholds: np.ndarray, inclusive: bool, floor: np.float32, mantissa: int):
+  low, high, per_sign, finite = _bucket_bounds(mantissa)
+  count = lambda x: _counts(np.maximum(x, floor), thresholds, inclusive)
+  base, top = count(low), count(high)
+  if np.any(top - base > 1):
+    return None
+  threshold = np.full(low.shape, np.nan, np.float32)
+  # Where subnormals count as zero (XLA's CPU backend), a subnormal x meets a
+  # zero threshold as +-0 does: those buckets compare with it too.
+  subnormal = np.abs(high) < np.finfo(np.float32).tiny
+  zero = count(np.where(np.signbit(low), np.float32(-0.0), np.float32(0.0)))
+  jumps = np.nonzero((top > base) | (subnormal & (zero > base)))[0]
+  # The threshold crossed inside the bucket is the (base)-th one.
+  threshold[jumps] = thresholds[base[jumps]]
+  table = np.zeros((2 * per_sign, 2), np.int32)
+  nonfinite = np.full(per_sign - finite, np.nan, np.float32)
+  for sign in range(2):
+    rows = slice(sign * per_sign, sign * per_sign + finite)
+    table[rows, 0] = threshold[sign * finite:(sign + 1) * finite].view(np.int32)
+    table[rows, 1] = base[sign * finite:(sign + 1) * finite]
+    # +-inf (NaN never reaches a lookup): the count at that end, no threshold.
+    infinity = np.float32(-np.inf if sign else np.inf)
+    rest = slice(sign * per_sign + finite, (sign + 1) * per_sign)
+    table[rest, 0] = nonfinite.view(np.int32)
+    table[rest, 1] = count(np.array([infinity]))[0]
+  return table
+
+
+@functools.lru_cache(maxsize=None)
+def bucket_table(mapping: str, signed: bool, inclusive: bool) -> BucketTable:
+  """The bucket lookup of the midpoint thresholds (nearest rounding), or,
+  ``inclusive``, of the entries above the first at ``max(x, entries[0])``
+  (the lower entry of stochastic rounding's bracket, `maps.bracket` of the
+  clipped value)."""
+  entries = maps.qmap(mapping, 4, signed)
+  if inclusive:  # the reference clips to the first entry first
+    thresholds, floor = entries[1:], entries[0]
+  else:
+    thresholds, floor = maps.midpoint_thresholds(mapping, 4, signed), np.float32(-np.inf)
+  thresholds = np.asarray(thresholds, np.float32)
+  for mantissa in range(1, 8):
+    entries = _build(thresholds, inclusive, floor, mantissa)
+    if entries is not None:
+      entries.setflags(write=False)
+      return BucketTable(_MANTISSA_BITS - mantissa, inclusive, entries)
+  raise AssertionError(f"no bucket width separates the thresholds of {mapping}")

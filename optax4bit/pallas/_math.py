@@ -1,0 +1,167 @@
+"""The elementwise math of the Pallas kernels, once, over jnp values.
+
+Nothing here knows about Triton, refs or tiles: the kernels of
+`optax4bit.pallas._engine` call these functions on the values of a tile, with
+``gather_pair(table, index)`` (read rows of a two-column lookup table) and a
+`KernelMath` (correctly rounded division and square root) of their backend.
+A port to another kernel language (Mosaic GPU, which has no gather as of
+JAX 0.11) passes its own: a select tree over the table's constants
+(`optax4bit.quant.maps`) is one that needs no memory.
+
+Numerics are the jnp reference's (`optax4bit.quant.maps`,
+`optax4bit.quant.normalize`) value for value: codes are equal bit for bit,
+with tables instead of its select trees (`optax4bit.pallas._codebook`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax4bit.pallas._codebook import BucketTable
+from optax4bit.quant import maps, normalize
+from optax4bit.quant.spec import QuantSpec
+
+# gather_pair(table, index) -> (first column, second column) at ``index``.
+GatherPair = Callable
+
+
+class KernelMath:
+  """Division and square root, correctly rounded on both backends (Triton's
+  own ``/`` is the approximate ``div.full.f32``)."""
+
+  def __init__(self, triton: bool):
+    self.triton = triton
+
+  @staticmethod
+  def _asm(asm: str, *args):
+    from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
+    shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+    args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in args]
+    constraints = "=r," + ",".join("r" for _ in args)
+    (out,) = plgpu.elementwise_inline_asm(
+        asm, args=args, constraints=constraints, pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+    return out
+
+  def div(self, a, b):
+    return self._asm("div.rn.f32 $0, $1, $2;", a, b) if self.triton else a / b
+
+  def _div_fast_path(self, a, b):
+    """The fast path of ``div.rn.f32`` as ptxas emits it (the reciprocal,
+    refined once, then the quotient corrected by one fused multiply-add),
+    without its range check and out-of-line slow path: ``div.rn.f32``'s
+    quotient bit for bit where that check passes (normal operands and a normal
+    quotient well inside the exponent range)."""
+    return self._asm(
+        "{ .reg .f32 r, e, q, nb; rcp.approx.ftz.f32 r, $2; neg.f32 nb, $2; "
+        "fma.rn.f32 e, nb, r, 0f3F800000; fma.rn.f32 r, r, e, r; "
+        "fma.rn.f32 q, $1, r, 0f00000000; fma.rn.f32 e, nb, q, $1; "
+        "fma.rn.f32 $0, r, e, q; }", a, b)
+
+  def probability(self, d, gap):
+    """``d / gap`` for stochastic rounding's decision ``u < d / gap``, by
+    `_div_fast_path`. Where ``div.rn.f32`` would leave its fast path for the
+    operands this sees (``gap`` a positive normal at most 1, ``inf`` or 0;
+    ``d <= gap`` finite or infinite), the decision against a draw ``u = k /
+    2**24`` is the same: a quotient below the normal range is positive exactly
+    when ``d > 0`` (the product ``d * (1 / gap) >= d`` cannot round to 0), and
+    an infinite or zero ``gap`` or an infinite ``d`` gives NaN or a negative
+    number where ``div.rn.f32`` gives 0, NaN or a negative number: never a
+    round-up."""
+    return self._div_fast_path(d, gap) if self.triton else d / gap
+
+  def inverse_times_4(self, s):
+    """`normalize.inverse_times_4` of finite scales ``s >= 0``. On the GPU the
+    divisor is first scaled by ``2**64`` or ``2**-64`` into ``[2**-85,
+    2**64]``, where `_div_fast_path` is exact, and the quotient scaled back:
+    powers of two commute with rounding while the result stays normal (4 /
+    s is normal for every finite s; where it overflows, so does the scaled
+    quotient, and both clamp to the float32 maximum)."""
+    if not self.triton:
+      return normalize.inverse_times_4(s, self.div)
+    positive = s > 0
+    up, down = np.float32(2.0**64), np.float32(2.0**-64)
+    scale = jnp.where(s < down, up, jnp.where(s > up, down, np.float32(1)))
+    quotient = self._div_fast_path(np.float32(4), jnp.where(positive, s, np.float32(1)) * scale)
+    inverse = jnp.minimum(quotient * scale, np.float32(np.finfo(np.float32).max))
+    return jnp.where(positive, inverse, np.float32(0))
+
+  def sqrt(self, x):
+    """``sqrt.rn.f32``. On the GPU its fast path (as ptxas emits it: the
+    reciprocal square root, ``x * r``, one FMA correction), exact for ``x`` in
+    ``[2**-101, max]``, on ``x`` scaled by ``2**100`` below ``2**-100`` (the
+    root then scaled by ``2**-50``: powers of two commute with rounding in
+    the normal range), with ``+-0`` and ``inf`` their own roots: no slow-path
+    subroutine. NaN and negative ``x`` give NaN, as ``sqrt.rn.f32``."""
+    if not self.triton:
+      return jnp.sqrt(x)
+    small = x < np.float32(2.0**-100)
+    root = self._asm(
+        "{ .reg .f32 r, s, h, e; rsqrt.approx.ftz.f32 r, $1; mul.ftz.f32 s, $1, r; "
+        "mul.ftz.f32 h, r, 0f3F000000; neg.f32 e, s; fma.rn.f32 e, e, s, $1; "
+        "fma.rn.f32 $0, e, h, s; }", jnp.where(small, x * np.float32(2.0**100), x))
+    root = jnp.where(small, root * np.float32(2.0**-50), root)
+    return jnp.where((x == 0) | (x == np.float32(np.inf)), x, root)
+
+
+
+def decode_bytes(packed, pairs, gather_pair: GatherPair):
+  """The entries of the even and the odd code of int32 bytes ``packed``."""
+  return gather_pair(pairs, packed)
+
+
+def count_below(x, bucket: BucketTable, table, gather_pair: GatherPair):
+  """`maps.count_above` of ``bucket``'s thresholds (``>=`` if inclusive) at
+  float32 ``x`` (not NaN), by the bucket of ``x``'s bits."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  index = jax.lax.shift_right_logical(bits, np.uint32(bucket.shift)).astype(jnp.int32)
+  threshold_bits, base = gather_pair(table, index)
+  threshold = jax.lax.bitcast_convert_type(threshold_bits, jnp.float32)
+  crossed = x >= threshold if bucket.inclusive else x > threshold
+  return base + crossed.astype(jnp.int32)
+
+
+def normalized(x, inverse_times_4):
+  """`normalize.normalize`'s value of ``x`` given ``4 / scale``, NaN as 0."""
+  n = (x * inverse_times_4) * np.float32(0.25)
+  return jnp.where(jnp.isnan(n), np.float32(0), n)
+
+
+def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_pair: GatherPair):
+  """`maps.encode_nearest` (int32 codes)."""
+  if spec.mapping == "Linear":
+    return maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed).astype(jnp.int32)
+  return count_below(n, bucket, table, gather_pair)
+
+
+def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_pair: GatherPair,
+                      probability=jnp.divide):
+  """`maps.encode_stochastic` (int32 codes) of ``n`` (not NaN).
+
+  ``lower`` is the largest entry ``<= n`` (0 below the first); the gap after
+  the last entry is ``inf``, so that there, and below the first entry, the
+  probability is 0, NaN or negative without the reference's clip: the same
+  codes. ``probability(d, gap)``: ``d / gap`` (`KernelMath.probability`).
+  """
+  lower = count_below(n, bucket, table, gather_pair)
+  low_value, gap = gather_pair(gaps, lower)
+  return lower + (uniform < probability(n - low_value, gap)).astype(jnp.int32)
+
+
+def finite_abs(x, mask=None):
+  """``|x|`` where finite (and ``mask``), else 0: what a scale's maximum sees."""
+  absolute = jnp.abs(x)
+  keep = absolute < np.float32(np.inf)  # false for NaN too: one compare
+  return jnp.where(keep if mask is None else mask & keep, absolute, np.float32(0))
+
+
+def pack(code_even, code_odd, valid_odd=None):
+  """Bytes of two int32 codes, the even one in the low nibble (a zero
+  nibble past an odd last axis)."""
+  if valid_odd is not None:
+    code_odd = jnp.where(valid_odd, code_odd, 0)
+  return (code_even | (code_odd << 4)).astype(jnp.uint8)
