@@ -909,6 +909,48 @@ def plot_gaps(path: str, problem: Problem, runs: dict, title: str) -> None:
 
 
 # ----------------------------------------------------------------------------
+# Diagnostics: how far each step's update direction is from float32 Adam's.
+
+
+def diagnose_lm(problem: Problem, t: Training, variant: str, seed: int, data,
+                at: list) -> list:
+  """`optax4bit.diagnostics` of one LM run (clipping left out) at steps ``at``:
+  the stored moments against a float32 Adam shadow fed the same gradients,
+  averaged over the quantized leaves weighted by their sizes."""
+  from optax4bit import diagnostics  # pylint: disable=import-outside-toplevel
+  train, _, _ = data
+  s = lm_settings(t, seed, problem.settings)
+  tx = diagnostics.with_fp32_shadow(make_optimizer(variant, dataclasses.replace(t, clip_norm=None),
+                                                   seed))
+  trainer = C.Trainer(train_lm.make_model(s), tx)
+  batches = C.lm_batches(train, s.batch_size, s.seq_len, seed)
+  rows = []
+  for step in range(1, max(at) + 1):
+    trainer.step(*next(batches))
+    if step in at:
+      leaves = [r for r in diagnostics.quantization_report(trainer.opt_state) if r.quantized]
+      sizes = np.array([math.prod(r.shape) for r in leaves], np.float64)
+      row = {"step": step, "leaves": len(leaves), "elements": int(sizes.sum())}
+      for field in ("rel_err_m", "rel_err_v", "rel_err_direction"):
+        row[field] = float(np.average([getattr(r, field) for r in leaves], weights=sizes))
+      rows.append(row)
+      print(f"  {problem.name} {variant} seed {seed} step {step}: err m {row['rel_err_m']:.3f}, "
+            f"err v {row['rel_err_v']:.3f}, err dir {row['rel_err_direction']:.3f}", flush=True)
+  return rows
+
+
+def diagnostics_table(diag: dict) -> str:
+  steps = [r["step"] for r in next(iter(diag.values()))]
+  lines = ["| variant | " + " | ".join(f"err m / err v / err dir @{s}" for s in steps) + " |",
+           "|---|" + "---|" * len(steps)]
+  for variant, rows in diag.items():
+    lines.append(f"| {variant} | " + " | ".join(
+        f"{r['rel_err_m']:.3f} / {r['rel_err_v']:.3f} / {r['rel_err_direction']:.3f}"
+        for r in rows) + " |")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
 # The zero-point ablation's LM configuration (benchmarks/zero_point_ablation.py).
 
 ABLATION_LM_SETTINGS = compare.DEFAULTS
@@ -1025,6 +1067,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--fresh", action="store_true", help="retrain cached runs")
   parser.add_argument("--no-write", action="store_true",
                       help="do not write benchmarks/plots and benchmarks/results")
+  parser.add_argument("--diagnose", type=int, nargs="+", default=None, metavar="STEP",
+                      help="instead of the benchmark: optax4bit.diagnostics of the quantized "
+                      "variants of the chosen LM problems at these steps (first seed), "
+                      "written to benchmarks/results/quality_diagnostics.json")
   args = parser.parse_args(argv)
   C.enable_compile_cache()
   write = not (args.no_write or args.quick)
@@ -1034,6 +1080,8 @@ def main(argv=None) -> dict:
     if why:
       print(f"skipping {v}: {why}")
       variants.remove(v)
+  if args.diagnose:
+    return run_diagnostics(args, variants, write)
   print(f"# Paired training quality ({environment()})")
   results = {}
   for name in args.problems:
@@ -1053,6 +1101,31 @@ def main(argv=None) -> dict:
       with open(path) as f:
         out = json.load(f)
     out["problems"].update(results)
+    C.save_json(path, out)
+  return results
+
+
+def run_diagnostics(args, variants: list, write: bool) -> dict:
+  """``--diagnose``: the direction error of each quantized variant."""
+  print(f"# Update direction against float32 Adam ({environment()})")
+  results = {}
+  for name in args.problems:
+    problem = PROBLEMS[name]
+    if problem.kind != "lm":
+      continue
+    seed = (args.seeds or [0])[0]
+    data = load_data(problem)
+    diag = {v: diagnose_lm(problem, problem.training, v, seed, data, sorted(args.diagnose))
+            for v in variants if v != REFERENCE}
+    print(f"\n## {name}, seed {seed}\n\n{diagnostics_table(diag)}", flush=True)
+    results[name] = {"seed": seed, "environment": environment(), "variants": diag}
+  if write:
+    path = os.path.join(RESULTS, "quality_diagnostics.json")
+    out = {}
+    if os.path.exists(path):
+      with open(path) as f:
+        out = json.load(f)
+    out.update(results)
     C.save_json(path, out)
   return results
 
