@@ -29,8 +29,11 @@ paper's). With minibatch gradients the EMA moves every step, nearest rounding
 does not stall it, and stochastic rounding only adds noise to each step's
 direction: on some transformers (a small ViT, issue 40's character LM) the
 paper's recipe then ends a few percent lower, on others (the benchmark's
-LMs) the default does. For minibatch training of transformers, compare
-``recipe="paper"`` with the default on a short run.
+LMs) the default does. On that ViT the first moment's NF map and stochastic
+rounding are the cost: ``first_moment="B128/DE"`` (nearest) with the
+default's second moment matches the paper's recipe. For minibatch training of
+transformers, compare ``first_moment="B128/DE"`` (or ``recipe="paper"``) with
+the default on a short run.
 """
 
 from __future__ import annotations
