@@ -34,6 +34,22 @@ Problems (CPU, jitted, no downloads):
   paper's ``min_quantize_size=4096``. Validation loss on 128 fixed windows,
   evaluated 20 times.
 
+* ``vit``: a ViT (2x2 patches, 2 blocks of d_model 96, full attention) on
+  the same digits split; 1000 steps of batch 64, lr 1e-3 (warmup, cosine to
+  10%), weight decay 0.01, clipping 1.0, ``min_quantize_size=4096``.
+* The LM family of issue 40 (``lm_prose_issue40``, ``lm_stdlib_issue40``,
+  ``lm_prose_d96_lr3e-3``, ``lm_stdlib_d192x3_lr3e-3``,
+  ``lm_stdlib_d128x4_lr1e-3_clip``, ``lm_prose_d384x4_lr1e-3_clip``; see
+  `LM_FAMILY`): two corpora (the stdlib's source; ``prose``, the installed
+  packages' ``*.dist-info/METADATA`` descriptions, read at run time), width
+  96-384, depth 2-4, lr 1e-3 and 3e-3, with and without clipping, 800-4000
+  steps; each reports the paired difference of every variant's gap to the
+  paper recipe's.
+
+``--variants`` also takes issue 40's candidate recipes (`CANDIDATE_VARIANTS`)
+and ``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`); ``--diagnose``
+reports `optax4bit.diagnostics`' update-direction error of the chosen LMs.
+
 ``lsq``, ``mlp`` and ``sciml`` quantize every leaf (``min_quantize_size=0``)
 and clip no gradients; ``lsq`` and ``mlp`` keep the learning rate constant, as
 in issue 14.
