@@ -34,6 +34,22 @@ Problems (CPU, jitted, no downloads):
   paper's ``min_quantize_size=4096``. Validation loss on 128 fixed windows,
   evaluated 20 times.
 
+* ``vit``: a ViT (2x2 patches, 2 blocks of d_model 96, full attention) on
+  the same digits split; 1000 steps of batch 64, lr 1e-3 (warmup, cosine to
+  10%), weight decay 0.01, clipping 1.0, ``min_quantize_size=4096``.
+* The LM family of issue 40 (``lm_prose_issue40``, ``lm_stdlib_issue40``,
+  ``lm_prose_d96_lr3e-3``, ``lm_stdlib_d192x3_lr3e-3``,
+  ``lm_stdlib_d128x4_lr1e-3_clip``, ``lm_prose_d384x4_lr1e-3_clip``; see
+  `LM_FAMILY`): two corpora (the stdlib's source; ``prose``, the installed
+  packages' ``*.dist-info/METADATA`` descriptions, read at run time), width
+  96-384, depth 2-4, lr 1e-3 and 3e-3, with and without clipping, 800-4000
+  steps; each reports the paired difference of every variant's gap to the
+  paper recipe's.
+
+``--variants`` also takes issue 40's candidate recipes (`CANDIDATE_VARIANTS`)
+and ``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`); ``--diagnose``
+reports `optax4bit.diagnostics`' update-direction error of the chosen LMs.
+
 ``lsq``, ``mlp`` and ``sciml`` quantize every leaf (``min_quantize_size=0``)
 and clip no gradients; ``lsq`` and ``mlp`` keep the learning rate constant, as
 in issue 14.
@@ -80,15 +96,19 @@ import inspect
 import json
 import math
 import os
+import email.parser
 import platform
+import site
 import sys
 import time
+import zlib
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -116,7 +136,30 @@ QUANTIZED_VARIANTS = {
     "adamw_4bit_factor_paper": ("adamw_4bit_factor", "paper"),
     "adamw_8bit": ("adamw_8bit", None),
 }
-VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
+# Candidate recipes of issue 40, run only when named with --variants:
+# variant -> (first moment, second moment) of ``adamw_4bit``, each a
+# ``(name, stochastic)`` pair for `QuantSpec.parse` (None: the default's).
+CANDIDATE_VARIANTS = {
+    "adamw_4bit_m_nf_nearest": (("B128/NF", False), None),
+    "adamw_4bit_m_de_nearest": (("B128/DE", False), None),
+    "adamw_4bit_m_b64_nf_sr": (("B64/NF", True), None),
+    "adamw_4bit_m_b32_nf_sr": (("B32/NF", True), None),
+    "adamw_4bit_m_nf_nearest_v_sr": (("B128/NF", False), ("Rank-1/SqrtDE-0", True)),
+}
+# Adam with an Adafactor-factored second moment, both moments float32
+# (`scale_by_factored_adam_fp32`): what 4-bit Factor would be without 4 bits.
+FACTOR_FP32 = "adamw_factor_fp32"
+DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
+VARIANTS = DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32,)
+
+
+def candidate_specs(variant: str) -> dict:
+  """``first_moment``/``second_moment`` overrides of a candidate variant."""
+  specs = {}
+  for name, spec in zip(("first_moment", "second_moment"), CANDIDATE_VARIANTS[variant]):
+    if spec is not None:
+      specs[name] = optax4bit.QuantSpec.parse(spec[0], stochastic=spec[1])
+  return specs
 
 
 def _accepts(fn: Callable, argument: str) -> bool:
@@ -125,7 +168,7 @@ def _accepts(fn: Callable, argument: str) -> bool:
 
 def variant_unavailable(variant: str) -> Optional[str]:
   """Why this library cannot build ``variant`` (None when it can)."""
-  if variant == REFERENCE:
+  if variant in (REFERENCE, FACTOR_FP32) or variant in CANDIDATE_VARIANTS:
     return None
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if recipe is not None and not _accepts(getattr(optax4bit, builder), "recipe"):
@@ -138,6 +181,12 @@ def variant_quantizers(variant: str) -> dict:
   key: a change of a recipe retrains)."""
   if variant == REFERENCE:
     return {"first_moment": "fp32", "second_moment": "fp32"}
+  if variant == FACTOR_FP32:
+    return {"first_moment": "fp32", "second_moment": "Factor fp32 (ndim >= 2), fp32 (1-D)"}
+  if variant in CANDIDATE_VARIANTS:
+    resolved = optax4bit.recipes.resolve("default", **candidate_specs(variant))
+    return {"first_moment": repr(resolved.first_moment),
+            "second_moment": repr(resolved.second_moment)}
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if builder == "adamw_8bit":
     return {"first_moment": repr(optax4bit.alias.EIGHT_BIT_FIRST_MOMENT),
@@ -159,6 +208,9 @@ class Training:
   # None: constant lr; else linear warmup, then cosine decay to 10% of the peak.
   warmup_steps: Optional[int] = None
   clip_norm: Optional[float] = None
+  # The cosine decay ends at this fraction of the peak learning rate.
+  end_lr_fraction: float = 0.1
+
 
 
 def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransformation:
@@ -167,26 +219,88 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
   seeded with ``seed``."""
   if t.warmup_steps is None:
     lr = t.learning_rate
-  else:
-    lr = C.schedule(C.OptimizerConfig(learning_rate=t.learning_rate, total_steps=t.steps,
-                                      warmup_steps=t.warmup_steps))
+  else:  # as C.schedule, with the end of the decay configurable
+    warmup = max(0, min(t.warmup_steps, t.steps - 1))
+    lr = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else t.learning_rate, peak_value=t.learning_rate,
+        warmup_steps=warmup, decay_steps=max(t.steps, warmup + 1),
+        end_value=t.end_lr_fraction * t.learning_rate)
   mask = C._decay_mask if t.weight_decay else None  # pylint: disable=protected-access
   if variant == REFERENCE:
     tx = optax.adamw(lr, weight_decay=t.weight_decay, mask=mask) if t.weight_decay else \
         optax.adam(lr)
+  elif variant == FACTOR_FP32:
+    tx = optax.chain(scale_by_factored_adam_fp32(),
+                     optax.add_decayed_weights(t.weight_decay, mask),
+                     optax.scale_by_learning_rate(lr))
   else:
-    builder_name, recipe = QUANTIZED_VARIANTS[variant]
+    builder_name, recipe = QUANTIZED_VARIANTS.get(variant, ("adamw_4bit", None))
     builder = getattr(optax4bit, builder_name)
     kwargs = {"weight_decay": t.weight_decay, "mask": mask,
               "min_quantize_size": t.min_quantize_size}
     if recipe is not None:
       kwargs["recipe"] = recipe
+    if variant in CANDIDATE_VARIANTS:
+      kwargs.update(candidate_specs(variant))
     if _accepts(builder, "seed"):
       kwargs["seed"] = seed
     tx = builder(lr, **kwargs)
   if t.clip_norm:
     tx = optax.chain(optax.clip_by_global_norm(t.clip_norm), tx)
   return tx
+
+
+def scale_by_factored_adam_fp32(b1: float = 0.9, b2: float = 0.999,
+                                eps: float = 1e-8) -> optax.GradientTransformation:
+  """Adam whose second moment of each matrix is Adafactor-factored, in float32.
+
+  The float32 counterpart of ``optax4bit.scale_by_factored_adam_4bit`` (same
+  rule, written here independently): EMAs of the row and column means of
+  ``g**2`` over the last two axes, rebuilt as ``outer(row, col) / mean(row)``
+  (0 where the rows are all 0); 1-D leaves keep a full float32 ``v``. Bias
+  corrections as Adam's.
+  """
+
+  def init(params):
+    def second(p):
+      if p.ndim >= 2:
+        return (jnp.zeros(p.shape[:-1], jnp.float32), jnp.zeros(p.shape[:-2] + p.shape[-1:],
+                                                                 jnp.float32))
+      return jnp.zeros_like(p, jnp.float32)
+    return {"count": jnp.zeros([], jnp.int32),
+            "mu": jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params),
+            "nu": jax.tree.map(second, params)}
+
+  def update(updates, state, params=None):
+    del params
+    count = state["count"] + 1
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["mu"], updates)
+
+    def second(nu, g):
+      g2 = jnp.square(g)
+      if g.ndim >= 2:
+        row = b2 * nu[0] + (1 - b2) * g2.mean(-1)
+        col = b2 * nu[1] + (1 - b2) * g2.mean(-2)
+        return row, col
+      return b2 * nu + (1 - b2) * g2
+
+    nu = jax.tree.map(second, state["nu"], updates,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+    def direction(m, v, g):
+      if g.ndim >= 2:
+        row, col = v
+        mean_row = row.mean(-1, keepdims=True)
+        v = jnp.where(mean_row > 0, row[..., :, None] * col[..., None, :]
+                      / jnp.where(mean_row > 0, mean_row, 1.0)[..., None], 0.0)
+      m_hat = m / (1 - b1 ** count)
+      v_hat = v / (1 - b2 ** count)
+      return (m_hat / (jnp.sqrt(v_hat) + eps)).astype(g.dtype)
+
+    out = jax.tree.map(direction, mu, nu, updates, is_leaf=lambda x: isinstance(x, tuple))
+    return out, {"count": count, "mu": mu, "nu": nu}
+
+  return optax.GradientTransformation(init, update)
 
 
 # ----------------------------------------------------------------------------
@@ -300,9 +414,9 @@ def train_minibatch(trainer: C.Trainer, batches, steps: int, eval_points: set,
   return {**record, "train_loss": train_loss, **trainer.state_stats()}
 
 
-def evaluation_points(steps: int) -> set:
-  """20 evenly spaced evaluations."""
-  every = max(1, steps // 20)
+def evaluation_points(steps: int, count: int = 20) -> set:
+  """``count`` evenly spaced evaluations."""
+  every = max(1, steps // count)
   return set(range(every, steps, every)) | {steps}
 
 
@@ -319,22 +433,139 @@ def run_cnn(t: Training, variant: str, seed: int, data) -> dict:
                          t.steps, evaluation_points(t.steps), evaluate)
 
 
+class ViT(nnx.Module):
+  """A small vision transformer for 8x8 images: 2x2 patches, learned
+  positions, pre-norm blocks of full (not causal) attention, mean pooling."""
+
+  def __init__(self, *, patch: int = 2, d_model: int = 96, num_layers: int = 2,
+               num_heads: int = 4, num_classes: int = 10, image: int = 8, rngs: nnx.Rngs):
+    self.patch, self.num_heads = patch, num_heads
+    self.embed = nnx.Linear(patch * patch, d_model, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), ((image // patch) ** 2,
+                                                                  d_model)))
+    self.blocks = nnx.List([ViTBlock(d_model, num_heads, rngs=rngs) for _ in range(num_layers)])
+    self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
+    self.head = nnx.Linear(d_model, num_classes, rngs=rngs)
+
+  def __call__(self, images):
+    b, h, w, c = images.shape
+    p = self.patch
+    patches = images.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+    x = self.embed(patches.reshape(b, (h // p) * (w // p), p * p * c)) + self.pos[...]
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.ln_f(x).mean(1))
+
+
+class ViTBlock(nnx.Module):
+  """Pre-norm transformer block with full self-attention."""
+
+  def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+    self.num_heads = num_heads
+    self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
+    self.qkv = nnx.Linear(d_model, 3 * d_model, rngs=rngs)
+    self.proj = nnx.Linear(d_model, d_model, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
+    self.fc1 = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
+    self.fc2 = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+
+  def __call__(self, x):
+    b, t, d = x.shape
+    q, k, v = (z.reshape(b, t, self.num_heads, d // self.num_heads)
+               for z in jnp.split(self.qkv(self.ln1(x)), 3, axis=-1))
+    x = x + self.proj(jax.nn.dot_product_attention(q, k, v).reshape(b, t, d))
+    return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+
+
+VIT_MODEL = dict(patch=2, d_model=96, num_layers=2, num_heads=4)
+VIT_BATCH = 64
+
+
+def run_vit(t: Training, variant: str, seed: int, data) -> dict:
+  (x_train, y_train), (x_val, y_val) = data
+  trainer = C.Trainer(ViT(**VIT_MODEL, rngs=nnx.Rngs(seed)), make_optimizer(variant, t, seed))
+
+  def evaluate():
+    loss, accuracy = trainer.evaluate(x_val, y_val, 512)
+    return {"val_loss": loss, "val_accuracy": accuracy}
+
+  return train_minibatch(trainer, C.classification_batches(x_train, y_train, VIT_BATCH, seed),
+                         t.steps, evaluation_points(t.steps), evaluate)
+
+
+# The original LM problem ("lm"); the LM family's settings add "corpus" and
+# "evaluations" to these keys.
 LM_MODEL = dict(batch_size=8, seq_len=64, d_model=96, num_layers=2, num_heads=4,
                 eval_windows=128)
+LM_MODEL_KEYS = tuple(LM_MODEL)
 
 
-def lm_settings(t: Training, seed: int) -> train_lm.LMSettings:
-  return train_lm.LMSettings(steps=t.steps, warmup_steps=t.warmup_steps, seed=seed, **LM_MODEL)
+def lm_settings(t: Training, seed: int, model: Optional[dict] = None) -> train_lm.LMSettings:
+  model = LM_MODEL if model is None else {k: model[k] for k in LM_MODEL_KEYS}
+  return train_lm.LMSettings(steps=t.steps, warmup_steps=t.warmup_steps, seed=seed, **model)
 
 
-def run_lm_variant(t: Training, variant: str, seed: int, data) -> dict:
+def run_lm_variant(t: Training, variant: str, seed: int, data,
+                   model: Optional[dict] = None) -> dict:
+  """One LM run; ``model`` (default `LM_MODEL`) may also set ``evaluations``."""
   train, val, _ = data
-  s = lm_settings(t, seed)
+  s = lm_settings(t, seed, model)
   trainer = C.Trainer(train_lm.make_model(s), make_optimizer(variant, t, seed))
   x_val, y_val = C.lm_eval_windows(val, s.eval_windows, s.seq_len)
+  count = (model or {}).get("evaluations", 20)
   return train_minibatch(trainer, C.lm_batches(train, s.batch_size, s.seq_len, seed), s.steps,
-                         evaluation_points(s.steps),
+                         evaluation_points(s.steps, count),
                          lambda: {"val_loss": trainer.evaluate(x_val, y_val, 32)[0]})
+
+
+def package_dirs() -> list:
+  """The running interpreter's site-packages directories."""
+  dirs = site.getsitepackages() + [site.getusersitepackages()]
+  dirs += [p for p in sys.path if p.endswith("-packages")]
+  return sorted({os.path.realpath(d) for d in dirs if os.path.isdir(d)})
+
+
+def load_prose_corpus(val_fraction: float = 0.1):
+  """The long descriptions of the installed packages (``*.dist-info/METADATA``
+  bodies: READMEs, mostly English prose with some markup and code) as two
+  byte arrays, split by package as `C.load_stdlib_corpus` splits by file
+  (``crc32(name) % 1000 < 1000 * val_fraction`` goes to validation).
+
+  Read at run time from the running interpreter's own files (no download);
+  the corpus is whatever is installed, so its size and file count are part
+  of each run's cache key.
+  """
+  paths = sorted({os.path.join(d, name, "METADATA") for d in package_dirs()
+                  for name in os.listdir(d) if name.endswith(".dist-info")})
+  parts = {"train": [], "val": []}
+  for path in paths:
+    if not os.path.exists(path):
+      continue
+    with open(path, "rb") as f:
+      message = email.parser.BytesParser().parsebytes(f.read())
+    body = message.get_payload(decode=True) or str(message.get("Description", "")).encode()
+    if len(body) < 200:  # a one-line summary is not prose
+      continue
+    name = os.path.basename(os.path.dirname(path))
+    split = "val" if zlib.crc32(name.encode()) % 1000 < 1000 * val_fraction else "train"
+    parts[split].append(body + b"\0")
+  train = np.frombuffer(b"".join(parts["train"]), np.uint8)
+  val = np.frombuffer(b"".join(parts["val"]), np.uint8)
+  if len(val) == 0 or len(train) == 0:
+    raise ValueError(f"the installed packages' METADATA gave an empty split (dirs {package_dirs()})")
+  info = {"corpus": "prose", "train_files": len(parts["train"]), "val_files": len(parts["val"]),
+          "train_bytes": int(len(train)), "val_bytes": int(len(val)),
+          "python": sys.version.split()[0]}
+  return train, val, info
+
+
+def load_corpus(name: str):
+  """``"stdlib"`` (the standard library's source) or ``"prose"``."""
+  if name == "stdlib":
+    return C.load_stdlib_corpus()
+  if name == "prose":
+    return load_prose_corpus()
+  raise ValueError(f"corpus must be 'stdlib' or 'prose', got {name!r}.")
 
 
 # ----------------------------------------------------------------------------
@@ -362,6 +593,11 @@ class Problem:
   goals: tuple = ()
   lower_is_better: bool = True
   settings: Optional[dict] = None  # what the cache key adds to `training`
+  family: Optional[str] = None     # which trainer runs it (default: ``name``)
+
+  @property
+  def kind(self) -> str:
+    return self.family or self.name
 
 
 STRETCH = 1.2
@@ -398,7 +634,56 @@ PROBLEMS = {
                   seeds=3, metric="val_loss", report_steps=(2000,), quick_steps=40,
                   goals=(Goal(("adamw_4bit",), 0.005), Goal(("adamw_4bit_factor",), 0.01)),
                   settings=LM_MODEL),
+    "vit": Problem("vit", f"ViT ({VIT_MODEL['num_layers']}x{VIT_MODEL['d_model']}, 2x2 patches) "
+                   "on scikit-learn digits (validation loss)",
+                   Training(steps=1000, learning_rate=1e-3, weight_decay=0.01,
+                            min_quantize_size=4096, warmup_steps=50, clip_norm=1.0),
+                   seeds=3, metric="val_loss", report_steps=(1000,), quick_steps=40,
+                   settings={"batch_size": VIT_BATCH, **VIT_MODEL}),
 }
+
+
+def lm_problem(name: str, corpus: str, *, d_model: int, num_layers: int, num_heads: int,
+               batch_size: int, seq_len: int, training: Training) -> Problem:
+  """One configuration of issue 40's LM family: validation loss on 128 fixed
+  windows, evaluated 10 times; every leaf over 4096 elements quantized."""
+  what = {"stdlib": "the Python stdlib", "prose": "package READMEs (METADATA prose)"}[corpus]
+  clip = f"clip {training.clip_norm:g}" if training.clip_norm else "no clipping"
+  return Problem(
+      name, f"byte-level LM on {what}: {num_layers}x{d_model}, {num_heads} heads, "
+      f"batch {batch_size}x{seq_len}, lr {training.learning_rate:g}, {clip}",
+      training, seeds=3, metric="val_loss", report_steps=(training.steps,), quick_steps=40,
+      goals=(Goal(("adamw_4bit",), 0.005),), family="lm",
+      settings={"corpus": corpus, "batch_size": batch_size, "seq_len": seq_len,
+                "d_model": d_model, "num_layers": num_layers, "num_heads": num_heads,
+                "eval_windows": 128, "evaluations": NUM_CHECKPOINTS})
+
+
+# Issue 40's setting: warmup_cosine_decay_schedule(0, 3e-3, 100, 800), weight
+# decay 1e-2, no clipping.
+ISSUE40_TRAINING = Training(steps=800, learning_rate=3e-3, weight_decay=0.01,
+                            min_quantize_size=4096, warmup_steps=100, end_lr_fraction=0.0)
+LM_FAMILY = (
+    lm_problem("lm_prose_issue40", "prose", d_model=192, num_layers=2, num_heads=4,
+               batch_size=16, seq_len=128, training=ISSUE40_TRAINING),
+    lm_problem("lm_stdlib_issue40", "stdlib", d_model=192, num_layers=2, num_heads=4,
+               batch_size=16, seq_len=128, training=ISSUE40_TRAINING),
+    lm_problem("lm_prose_d96_lr3e-3", "prose", d_model=96, num_layers=2, num_heads=4,
+               batch_size=8, seq_len=64,
+               training=dataclasses.replace(ISSUE40_TRAINING, steps=1500)),
+    lm_problem("lm_stdlib_d192x3_lr3e-3", "stdlib", d_model=192, num_layers=3, num_heads=4,
+               batch_size=8, seq_len=64,
+               training=dataclasses.replace(ISSUE40_TRAINING, steps=1000)),
+    lm_problem("lm_stdlib_d128x4_lr1e-3_clip", "stdlib", d_model=128, num_layers=4, num_heads=4,
+               batch_size=8, seq_len=64,
+               training=Training(steps=4000, learning_rate=1e-3, weight_decay=0.01,
+                                 min_quantize_size=4096, warmup_steps=200, clip_norm=1.0)),
+    lm_problem("lm_prose_d384x4_lr1e-3_clip", "prose", d_model=384, num_layers=4, num_heads=6,
+               batch_size=8, seq_len=64,
+               training=Training(steps=800, learning_rate=1e-3, weight_decay=0.01,
+                                 min_quantize_size=4096, warmup_steps=100, clip_norm=1.0)),
+)
+PROBLEMS.update({p.name: p for p in LM_FAMILY})
 
 
 def run_problem_variant(problem: Problem, t: Training, variant: str, seed: int, data, *,
@@ -407,16 +692,18 @@ def run_problem_variant(problem: Problem, t: Training, variant: str, seed: int, 
   key = {"problem": problem.name, "training": dataclasses.asdict(t),
          "settings": problem.settings, "variant": variant,
          "quantizers": variant_quantizers(variant), "seed": seed}
-  if problem.name == "lm":
+  if problem.kind == "lm":
     key["corpus"] = data[2]
   path = os.path.join(CACHE, "quality", problem.name, f"{variant}_steps{t.steps}_seed{seed}.json")
 
   def fresh_run():
     start = time.perf_counter()
-    if problem.name == "cnn":
+    if problem.kind == "cnn":
       out = run_cnn(t, variant, seed, data)
-    elif problem.name == "lm":
-      out = run_lm_variant(t, variant, seed, data)
+    elif problem.kind == "vit":
+      out = run_vit(t, variant, seed, data)
+    elif problem.kind == "lm":
+      out = run_lm_variant(t, variant, seed, data, problem.settings)
     else:
       out = run_full_batch({"lsq": least_squares, "mlp": teacher_mlp,
                             "sciml": fourier_mlp}[problem.name], t, variant, seed)
@@ -473,6 +760,23 @@ def paired_accuracy(runs: dict, steps: list) -> dict:
       accuracy = [100 * r["metrics"]["val_accuracy"][r["steps"].index(step)] for r in seeds_runs]
       out[variant][step] = {"accuracy": stats(accuracy), "delta_points": stats(deltas),
                             "per_seed_delta_points": deltas}
+  return out
+
+
+PAPER = "adamw_4bit_paper"
+
+
+def versus(table: dict, baseline: str, steps: list) -> dict:
+  """variant -> step -> per-seed ``ratio - ratio_baseline`` and its stats
+  (the paired difference of two variants' gaps to the reference)."""
+  out = {}
+  for variant, rows in table.items():
+    if variant in (REFERENCE, baseline):
+      continue
+    out[variant] = {}
+    for step in steps:
+      diffs = [a - b for a, b in zip(rows[step]["ratios"], table[baseline][step]["ratios"])]
+      out[variant][step] = {"diffs": diffs, "diff": stats(diffs)}
   return out
 
 
@@ -539,6 +843,33 @@ def gap_table(runs: dict, table: dict, steps: list) -> str:
   return "\n".join(lines)
 
 
+def versus_table(diffs: dict, baseline: str, steps: list) -> str:
+  lines = [f"| paired gap minus {baseline}'s, % (± se) at step | "
+           + " | ".join(str(s) for s in steps) + " |", "|---|" + "---|" * len(steps)]
+  for variant, rows in diffs.items():
+    cells = [f"{100 * rows[s]['diff']['mean']:+.2f} ± {100 * rows[s]['diff']['se']:.2f}"
+             for s in steps]
+    lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def summary_table(results: dict) -> str:
+  """One row per problem: each variant's mean paired gap (± se) at the last
+  step, and for the default its difference to the paper recipe's."""
+  variants = [v for v in VARIANTS if v != REFERENCE
+              and any(v in r["paired"] for r in results.values())]
+  lines = ["| problem | " + " | ".join(variants) + f" | adamw_4bit minus {PAPER} |",
+           "|---|" + "---|" * (len(variants) + 1)]
+  for name, r in results.items():
+    last = str(r["checkpoints"][-1])
+    cells = [gap_cell(r["paired"][v][last]["ratio"]) if v in r["paired"] else "" for v in variants]
+    diff = r.get("versus_paper", {}).get("adamw_4bit", {}).get(last)
+    cells.append(f"{100 * diff['diff']['mean']:+.2f} ± {100 * diff['diff']['se']:.2f}"
+                 if diff else "")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def accuracy_table(runs: dict, accuracy: dict, step: int) -> str:
   lines = [f"| variant | val accuracy % @{step} (mean ± std) | paired delta, points (mean ± se) "
            "| per seed |", "|---|---|---|---|"]
@@ -594,6 +925,48 @@ def plot_gaps(path: str, problem: Problem, runs: dict, title: str) -> None:
 
 
 # ----------------------------------------------------------------------------
+# Diagnostics: how far each step's update direction is from float32 Adam's.
+
+
+def diagnose_lm(problem: Problem, t: Training, variant: str, seed: int, data,
+                at: list) -> list:
+  """`optax4bit.diagnostics` of one LM run (clipping left out) at steps ``at``:
+  the stored moments against a float32 Adam shadow fed the same gradients,
+  averaged over the quantized leaves weighted by their sizes."""
+  from optax4bit import diagnostics  # pylint: disable=import-outside-toplevel
+  train, _, _ = data
+  s = lm_settings(t, seed, problem.settings)
+  tx = diagnostics.with_fp32_shadow(make_optimizer(variant, dataclasses.replace(t, clip_norm=None),
+                                                   seed))
+  trainer = C.Trainer(train_lm.make_model(s), tx)
+  batches = C.lm_batches(train, s.batch_size, s.seq_len, seed)
+  rows = []
+  for step in range(1, max(at) + 1):
+    trainer.step(*next(batches))
+    if step in at:
+      leaves = [r for r in diagnostics.quantization_report(trainer.opt_state) if r.quantized]
+      sizes = np.array([math.prod(r.shape) for r in leaves], np.float64)
+      row = {"step": step, "leaves": len(leaves), "elements": int(sizes.sum())}
+      for field in ("rel_err_m", "rel_err_v", "rel_err_direction"):
+        row[field] = float(np.average([getattr(r, field) for r in leaves], weights=sizes))
+      rows.append(row)
+      print(f"  {problem.name} {variant} seed {seed} step {step}: err m {row['rel_err_m']:.3f}, "
+            f"err v {row['rel_err_v']:.3f}, err dir {row['rel_err_direction']:.3f}", flush=True)
+  return rows
+
+
+def diagnostics_table(diag: dict) -> str:
+  steps = [r["step"] for r in next(iter(diag.values()))]
+  lines = ["| variant | " + " | ".join(f"err m / err v / err dir @{s}" for s in steps) + " |",
+           "|---|" + "---|" * len(steps)]
+  for variant, rows in diag.items():
+    lines.append(f"| {variant} | " + " | ".join(
+        f"{r['rel_err_m']:.3f} / {r['rel_err_v']:.3f} / {r['rel_err_direction']:.3f}"
+        for r in rows) + " |")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
 # The zero-point ablation's LM configuration (benchmarks/zero_point_ablation.py).
 
 ABLATION_LM_SETTINGS = compare.DEFAULTS
@@ -626,18 +999,20 @@ def environment() -> str:
 # Main.
 
 
-def load_data(name: str):
-  if name == "cnn":
+def load_data(problem):
+  """The data of ``problem`` (a `Problem`, or the name of one of `PROBLEMS`)."""
+  problem = PROBLEMS[problem] if isinstance(problem, str) else problem
+  if problem.kind in ("cnn", "vit"):
     return C.load_digits_split()
-  if name == "lm":
-    return C.load_stdlib_corpus()
+  if problem.kind == "lm":
+    return load_corpus((problem.settings or {}).get("corpus", "stdlib"))
   return None
 
 
 def benchmark_problem(problem: Problem, t: Training, variants: list, seeds: list, *,
                       fresh: bool, write: bool) -> dict:
   start = time.perf_counter()
-  data = load_data(problem.name)
+  data = load_data(problem)
   runs = {}
   for variant in variants:
     runs[variant] = []
@@ -658,13 +1033,21 @@ def benchmark_problem(problem: Problem, t: Training, variants: list, seeds: list
   print(ratio_table(problem, runs, table, report))
   print()
   print(gap_table(runs, table, marks))
+  diffs = versus(table, PAPER, marks) if PAPER in runs else {}
+  if diffs:
+    print()
+    print(versus_table(diffs, PAPER, marks))
   out = {"title": problem.title, "environment": environment(),
          "training": dataclasses.asdict(t), "settings": problem.settings, "metric": problem.metric, "seeds": seeds, "reference": REFERENCE,
          "quantizers": {v: variant_quantizers(v) for v in runs},
          "state_bytes_per_param": {v: rs[0]["state_bytes_per_param"] for v, rs in runs.items()},
          "params": runs[REFERENCE][0]["params"], "checkpoints": marks, "report_steps": report,
          "paired": {v: {str(s): row for s, row in rows.items()} for v, rows in table.items()},
-         "goals": goals, "train_wall_s_of_runs": train_s}
+         "goals": goals, "train_wall_s_of_runs": train_s,
+         "versus_paper": {v: {str(s): row for s, row in rows.items()}
+                          for v, rows in diffs.items()}}
+  if problem.kind == "lm":
+    out["corpus"] = data[2]
   if "val_accuracy" in runs[REFERENCE][0]["metrics"]:
     accuracy = paired_accuracy(runs, [steps[-1]])
     print()
@@ -688,10 +1071,11 @@ def main(argv=None) -> dict:
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog="\n".join(__doc__.splitlines()[1:]))
   parser.add_argument("--problems", nargs="+", choices=tuple(PROBLEMS), default=list(PROBLEMS))
-  parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                      help=f"{REFERENCE} (the reference) is always run")
+  parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS),
+                      help=f"{REFERENCE} (the reference) is always run; the candidate "
+                      "recipes and adamw_factor_fp32 only when named")
   parser.add_argument("--seeds", type=int, nargs="+", default=None,
-                      help="default: 0..4 for lsq, mlp, sciml; 0..2 for cnn, lm")
+                      help="default: 0..4 for lsq, mlp, sciml; 0..2 for the others")
   parser.add_argument("--steps", type=int, default=None,
                       help="training steps of every problem run (default: the problem's)")
   parser.add_argument("--quick", action="store_true",
@@ -699,6 +1083,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--fresh", action="store_true", help="retrain cached runs")
   parser.add_argument("--no-write", action="store_true",
                       help="do not write benchmarks/plots and benchmarks/results")
+  parser.add_argument("--diagnose", type=int, nargs="+", default=None, metavar="STEP",
+                      help="instead of the benchmark: optax4bit.diagnostics of the quantized "
+                      "variants of the chosen LM problems at these steps (first seed), "
+                      "written to benchmarks/results/quality_diagnostics.json")
   args = parser.parse_args(argv)
   C.enable_compile_cache()
   write = not (args.no_write or args.quick)
@@ -708,6 +1096,8 @@ def main(argv=None) -> dict:
     if why:
       print(f"skipping {v}: {why}")
       variants.remove(v)
+  if args.diagnose:
+    return run_diagnostics(args, variants, write)
   print(f"# Paired training quality ({environment()})")
   results = {}
   for name in args.problems:
@@ -718,6 +1108,8 @@ def main(argv=None) -> dict:
       t = dataclasses.replace(t, warmup_steps=min(t.warmup_steps, steps // 10))
     seeds = args.seeds or list(range(2 if args.quick else problem.seeds))
     results[name] = benchmark_problem(problem, t, variants, seeds, fresh=args.fresh, write=write)
+  print("\n## Summary: mean paired gap % (± se) at the last step\n")
+  print(summary_table(results))
   if write:  # problems not run keep their previous entry
     path = os.path.join(RESULTS, "quality_paired.json")
     out = {"problems": {}}
@@ -725,6 +1117,31 @@ def main(argv=None) -> dict:
       with open(path) as f:
         out = json.load(f)
     out["problems"].update(results)
+    C.save_json(path, out)
+  return results
+
+
+def run_diagnostics(args, variants: list, write: bool) -> dict:
+  """``--diagnose``: the direction error of each quantized variant."""
+  print(f"# Update direction against float32 Adam ({environment()})")
+  results = {}
+  for name in args.problems:
+    problem = PROBLEMS[name]
+    if problem.kind != "lm":
+      continue
+    seed = (args.seeds or [0])[0]
+    data = load_data(problem)
+    diag = {v: diagnose_lm(problem, problem.training, v, seed, data, sorted(args.diagnose))
+            for v in variants if v != REFERENCE}
+    print(f"\n## {name}, seed {seed}\n\n{diagnostics_table(diag)}", flush=True)
+    results[name] = {"seed": seed, "environment": environment(), "variants": diag}
+  if write:
+    path = os.path.join(RESULTS, "quality_diagnostics.json")
+    out = {}
+    if os.path.exists(path):
+      with open(path) as f:
+        out = json.load(f)
+    out.update(results)
     C.save_json(path, out)
   return results
 

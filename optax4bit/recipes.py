@@ -20,6 +20,20 @@ scale. A first moment rounded to the nearest entry stops moving when the
 EMA's change per step is below half the gap between entries (the step is
 rounded away); stochastic rounding keeps its expectation exact, and the
 normal-float map spends its entries where a block's values are.
+
+Which one to use (benchmarks/history/2026-11-27-issue-40.md): the default
+for full-batch and low-noise training, where every first moment rounded to
+the nearest entry stalls (least squares: 1.17x float32 Adam's loss with the
+default, 1.8-2.5x with nearest rounding at any block size, 4.4x with the
+paper's). With minibatch gradients the EMA moves every step, nearest rounding
+does not stall it, and stochastic rounding only adds noise to each step's
+direction: on some transformers (a small ViT, issue 40's character LM) the
+paper's recipe then ends a few percent lower, on others (the benchmark's
+LMs) the default does. On that ViT the first moment's NF map and stochastic
+rounding are the cost: ``first_moment="B128/DE"`` (nearest) with the
+default's second moment matches the paper's recipe. For minibatch training of
+transformers, compare ``first_moment="B128/DE"`` (or ``recipe="paper"``) with
+the default on a short run.
 """
 
 from __future__ import annotations
