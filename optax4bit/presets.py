@@ -8,6 +8,7 @@ from typing import Any, Mapping, Optional
 
 import optax
 
+from optax4bit import param_rounding as _param_rounding
 from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn, check_hyperparam
 from optax4bit.quant.spec import QuantSpec
 from optax4bit.wrappers import quantize_state
@@ -36,6 +37,7 @@ def lion_4bit(
     seed: int = 0,
     chunk_size: Optional[int] = None,
     recipe: str = "default",
+    param_rounding: str = "stochastic",
 ) -> optax.GradientTransformationExtraArgs:
   """Lion with a 4-bit momentum: a drop-in for ``optax.lion``.
 
@@ -65,6 +67,9 @@ def lion_4bit(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     recipe: ``"default"`` or ``"paper"`` quantizers (see `quantize_state`).
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `optax4bit.adamw_4bit`; no
+      effect on float32 params).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -92,6 +97,7 @@ def lion_4bit(
                      chunk_size=chunk_size, recipe=recipe),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
+      *_param_rounding.rounding_transforms(param_rounding, seed),
   )
 
 
@@ -114,6 +120,7 @@ def ademamix_4bit(
     seed: int = 0,
     chunk_size: Optional[int] = None,
     recipe: str = "default",
+    param_rounding: str = "stochastic",
 ) -> optax.GradientTransformationExtraArgs:
   """AdEMAMix with 4-bit states: a drop-in for ``optax.contrib.ademamix``.
 
@@ -151,6 +158,9 @@ def ademamix_4bit(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     recipe: ``"default"`` or ``"paper"`` quantizers (see `quantize_state`).
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `optax4bit.adamw_4bit`; no
+      effect on float32 params).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``.
@@ -178,6 +188,7 @@ def ademamix_4bit(
                      per_leaf=True, seed=seed, chunk_size=chunk_size, recipe=recipe),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
+      *_param_rounding.rounding_transforms(param_rounding, seed),
   )
 
 
@@ -199,6 +210,7 @@ def muon_4bit(
     seed: int = 0,
     chunk_size: Optional[int] = None,
     implementation: str = "auto",
+    param_rounding: str = "stochastic",
     **muon_kwargs,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon with a 4-bit momentum: a drop-in for ``optax.contrib.muon``.
@@ -250,6 +262,9 @@ def muon_4bit(
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of elementwise updates.
     implementation: ``"auto"`` / ``"jnp"`` (see `quantize_state`).
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `optax4bit.adamw_4bit`; no
+      effect on float32 params).
     **muon_kwargs: any other argument of the installed
       ``optax.contrib.muon`` (``adaptive``, ``adam_b1``, ``adam_b2``,
       ``adam_weight_decay``, ...), passed through.
@@ -282,6 +297,8 @@ def muon_4bit(
   inner = muon(learning_rate, ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
                weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                mu_dtype=mu_dtype, nesterov=nesterov, **muon_kwargs)
-  return quantize_state(inner, spec_for=spec_for, min_quantize_size=min_quantize_size,
-                        quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
-                        recipe=recipe, implementation=implementation)
+  rounding = _param_rounding.rounding_transforms(param_rounding, seed)
+  quantized = quantize_state(inner, spec_for=spec_for, min_quantize_size=min_quantize_size,
+                             quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
+                             recipe=recipe, implementation=implementation)
+  return optax.chain(quantized, *rounding) if rounding else quantized
