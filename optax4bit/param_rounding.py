@@ -4,7 +4,8 @@ Rounding ``params + updates`` to the nearest bfloat16 loses every update
 below half an ulp of the parameter: a parameter of 1.0 ignores any step
 smaller than 2**-9. `round_params_stochastically` rounds the float32 sum
 up or down at random, with the probability that makes the expected new
-parameter equal the float32 sum, and returns the update that lands
+parameter equal the float32 sum, and returns the update (in the params'
+dtype, so that it costs no more memory than a bfloat16 gradient) that lands
 ``optax.apply_updates`` exactly there.
 
 Its random numbers are those of the states' stochastic rounding
@@ -15,6 +16,7 @@ sharded runs draw the same number for the same element.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -22,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax4bit._validation import check_static_int
 from optax4bit.quant import maps
 
 __all__ = ["RoundParamsStochasticallyState", "round_params_stochastically"]
@@ -50,23 +51,21 @@ def _from_bits(bits: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype)
 
 
-def round_stochastically(x: jax.Array, dtype, uniform: jax.Array) -> jax.Array:
-  """float32 ``x`` rounded to ``dtype`` (bfloat16 or float16) up or down in
-  magnitude, up when ``uniform`` (U[0, 1) draws shaped like ``x``) is below
-  the distance to the lower neighbour in units of the gap.
-
-  Unbiased: ``E[result] = x``. Values of the dtype (infinities included) are
-  kept; NaN stays NaN; a result of zero is ``+0``. Past the largest finite
-  value the gap is that of the last binade, so the sum becomes ``inf`` with
-  probability ``(|x| - max) / ulp(max)`` (1 from ``max + ulp(max)`` on, where
-  rounding to nearest gives ``inf`` too).
-  """
+def _neighbours(x: jax.Array, dtype):
+  """``(down, up, p)``: the values of ``dtype`` either side of float32 ``x``
+  (towards and away from zero; both ``x`` where it is one of them, infinities
+  included) and the probability ``p`` of ``up`` that makes the expectation
+  ``x``. Past the largest finite value the gap is that of the last binade,
+  so ``up`` is ``inf``, with probability ``(|x| - max) / ulp(max)``. A zero
+  is ``+0``; NaN gives NaN."""
   magnitude = jnp.abs(x)
   nearest = magnitude.astype(dtype)
   nearest_bits = _bits(nearest)
+  exact = nearest.astype(jnp.float32) == magnitude
   # Bit patterns of non-negative floats are ordered like their values, so
   # +-1 on them steps to the neighbouring magnitude (into inf past the max).
   lower_bits = jnp.where(nearest.astype(jnp.float32) > magnitude, nearest_bits - 1, nearest_bits)
+  upper_bits = jnp.where(exact, nearest_bits, lower_bits + 1)
   # Near float32's smallest normal the differences below are subnormal, which
   # XLA on CPU flushes to zero: a power of two scales them up, exactly.
   scale = jnp.where(magnitude < 2.0**-80, np.float32(2.0**40), np.float32(1))
@@ -78,38 +77,87 @@ def round_stochastically(x: jax.Array, dtype, uniform: jax.Array) -> jax.Array:
   gap = jnp.where(jnp.isinf(upper), lower - scaled(jnp.maximum(lower_bits, 1) - 1), upper - lower)
   # (magnitude - lower) is exact (Sterbenz, or lower == 0) and gap a power
   # of two: the probability is exact in float32.
-  round_up = uniform < (magnitude * scale - lower) / gap
-  bits = jnp.where(nearest.astype(jnp.float32) == magnitude, nearest_bits,
-                   jnp.where(round_up, lower_bits + 1, lower_bits))
-  rounded = _from_bits(bits, dtype)
-  rounded = jnp.where((x < 0) & (bits != 0), -rounded, rounded)
-  return jnp.where(jnp.isnan(x), x.astype(dtype), rounded)
+  probability = jnp.where(exact, 0, (magnitude * scale - lower) / gap)
+
+  def signed(bits):
+    value = _from_bits(bits, dtype)
+    value = jnp.where((x < 0) & (bits != 0), -value, value)
+    return jnp.where(jnp.isnan(x), x.astype(dtype), value)
+
+  return signed(lower_bits), signed(upper_bits), probability
 
 
-def landing_update(params: jax.Array, rounded: jax.Array) -> jax.Array:
-  """float32 update with ``optax.apply_updates`` (``params + update`` in
-  float32, then cast to the params' dtype) giving exactly ``rounded``.
+def round_stochastically(x: jax.Array, dtype, uniform: jax.Array) -> jax.Array:
+  """float32 ``x`` rounded to ``dtype`` (bfloat16 or float16): to the
+  neighbour away from zero when ``uniform`` (U[0, 1) draws shaped like ``x``)
+  is below the distance to the one towards zero, in units of the gap.
+  Unbiased: ``E[result] = x`` (see `_neighbours` for the edge cases)."""
+  down, up, probability = _neighbours(x, dtype)
+  return jnp.where(uniform < probability, up, down)
 
-  ``rounded - params`` is exact in float32 unless one of them is more than
-  2**16 times the other; if ``rounded`` is the larger, the float32 error is
-  far below half its ulp and the cast still lands on it; ``params`` cannot be
-  the larger then, since a float32 sum that small cancels exactly (Sterbenz)
-  into a value with at most 8 significant bits, which is kept as it is.
-  Where they are equal (infinities included) the update is 0.
+
+def _rounded_float32(x: jax.Array, dtype) -> jax.Array:
+  """float32 ``x`` rounded to nearest in ``dtype``, kept in float32: XLA may
+  keep a bfloat16 intermediate in float32 ("excess precision") in one
+  program and not another (a sharded one fuses differently); results must
+  not depend on that. ``reduce_precision`` flushes the dtype's subnormals,
+  so float16's are rounded on their own grid."""
+  info = jnp.finfo(dtype)
+  rounded = jax.lax.reduce_precision(x, info.nexp, info.nmant)
+  tiny = float(info.smallest_subnormal)
+  if tiny > float(jnp.finfo(jnp.float32).tiny):  # float16: subnormals are float32 normals
+    subnormal = jnp.round(x * np.float32(1 / tiny)) * np.float32(tiny)
+    rounded = jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal, rounded)
+  return rounded
+
+
+def _round_to(x: jax.Array, dtype) -> jax.Array:
+  """float32 ``x`` rounded to nearest in ``dtype``."""
+  return _rounded_float32(x, dtype).astype(dtype)
+
+
+def _landed(old: jax.Array, step: jax.Array) -> jax.Array:
+  """What ``optax.apply_updates`` gives: ``params + step`` in float32,
+  rounded to nearest in the params' dtype."""
+  return _round_to(old + _as_float32(step), step.dtype)
+
+
+def _step_to(old: jax.Array, target: jax.Array) -> jax.Array:
+  """The update from ``old`` to ``target`` rounded to ``target``'s dtype (0
+  where they are equal, infinities included)."""
+  new = target.astype(jnp.float32)
+  return _round_to(jnp.where(new == old, jnp.zeros_like(new), new - old), target.dtype)
+
+
+def rounding_update(params: jax.Array, updates: jax.Array, uniform: jax.Array) -> jax.Array:
+  """The update, in the params' dtype, with which ``optax.apply_updates``
+  lands on ``s = float32(params) + float32(updates)`` rounded stochastically.
+
+  Where both neighbours of ``s`` are reached exactly by some update of that
+  dtype (always unless the update exceeds the new value, e.g. a sign change,
+  or ties), it is the step to ``s`` rounded up or down (`_neighbours`).
+  Elsewhere the step ``s - params`` itself is rounded stochastically: also
+  unbiased, and exact where the sum cancels (a sum much smaller than its
+  terms has few significant bits), on the update's coarser grid. Which of
+  the two applies depends on ``params`` and ``updates`` only, not on the
+  draw, so the result stays unbiased.
   """
+  dtype = params.dtype
   old = _as_float32(params)
-  new = rounded.astype(jnp.float32)
-  return jnp.where(new == old, jnp.zeros_like(new), new - old)
+  total = old + _as_float32(updates)
+  down, up, probability = _neighbours(total, dtype)
+  step_down, step_up = _step_to(old, down), _step_to(old, up)
+  reached = ((_landed(old, step_down) == down) & (_landed(old, step_up) == up)
+             | jnp.isnan(total))
+  fine = jnp.where(uniform < probability, step_up, step_down)
+  coarse = round_stochastically(total - old, dtype, uniform)
+  return jnp.where(reached, fine, coarse)
 
 
 def _as_float32(x: jax.Array) -> jax.Array:
-  """``x`` in float32, rounded to its own dtype first: XLA may keep a
-  bfloat16 intermediate in float32 ("excess precision") in one program and
-  not another (a sharded one fuses differently); the sum must not depend on
-  that."""
+  """``x`` in float32, rounded to its own dtype first (see `_rounded_float32`)."""
   if x.dtype in ROUNDED_DTYPES:
-    info = jnp.finfo(x.dtype)
-    return jax.lax.reduce_precision(x.astype(jnp.float32), info.nexp, info.nmant)
+    return _rounded_float32(x.astype(jnp.float32), x.dtype)
   return x.astype(jnp.float32)
 
 
@@ -122,6 +170,16 @@ def leaf_uniform(seed: int, count: jax.Array, leaf: int, shape: tuple) -> jax.Ar
   return maps.hashed_uniform(maps.rounding_seed(key), tuple(shape))
 
 
+def _check_seed(seed) -> None:
+  # An integer array is accepted too: optax.inject_hyperparams passes every
+  # number as one, and the seed only feeds jax.random.key.
+  integer = isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+  array = (hasattr(seed, "dtype") and jnp.issubdtype(seed.dtype, jnp.integer)
+           and jnp.ndim(seed) == 0)
+  if not (integer or array):
+    raise ValueError(f"seed must be an int (or a scalar integer array), got {seed!r}.")
+
+
 def round_params_stochastically(seed: int = 0) -> optax.GradientTransformation:
   """Rounds ``params + updates`` stochastically to bfloat16/float16 params.
 
@@ -130,10 +188,13 @@ def round_params_stochastically(seed: int = 0) -> optax.GradientTransformation:
   + float32(updates)``, rounds ``s`` to the parameter's dtype up or down
   with probabilities that make the expected result ``s`` (so updates far
   below one ulp still move the parameter on average), and returns the
-  float32 update ``u'`` with which ``optax.apply_updates(params, u')`` is
-  exactly that rounded value. Other leaves (float32 ...) pass through
-  unchanged. Rounding to nearest instead stalls: a bfloat16 parameter of 1.0
-  ignores any update below 2**-9.
+  update, in the parameter's dtype, with which ``optax.apply_updates(params,
+  u')`` is exactly that rounded value. Where no update of that dtype reaches
+  a neighbour of ``s`` (the new value much smaller than the update: a sign
+  change, a cancellation), the update itself is rounded stochastically
+  instead, which is as unbiased. Other leaves (float32 ...) pass through
+  unchanged. Rounding to nearest instead stalls: a bfloat16 parameter of
+  1.0 ignores any update below 2**-9.
 
   The draws hash the step, the leaf and the element's index in the global
   leaf, as the states' stochastic rounding does: jit, sharded (explicit or
@@ -158,7 +219,7 @@ def round_params_stochastically(seed: int = 0) -> optax.GradientTransformation:
     >>> abs(float(jnp.mean(new.astype(jnp.float32))) - (1 - 1e-3)) < 3e-4
     True
   """
-  seed = check_static_int("seed", seed)
+  _check_seed(seed)
 
   def init_fn(params):
     del params
@@ -185,9 +246,7 @@ def round_params_stochastically(seed: int = 0) -> optax.GradientTransformation:
       if p.dtype not in ROUNDED_DTYPES:
         out.append(u)
         continue
-      total = _as_float32(p) + _as_float32(jnp.asarray(u))
-      uniform = leaf_uniform(seed, count_inc, leaf, p.shape)
-      out.append(landing_update(p, round_stochastically(total, p.dtype, uniform)))
+      out.append(rounding_update(p, jnp.asarray(u), leaf_uniform(seed, count_inc, leaf, p.shape)))
     return treedef.unflatten(out), RoundParamsStochasticallyState(count_inc)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -54,21 +54,58 @@ def reference_round(total, uniform, dtype) -> np.ndarray:
   return np.where(np.isnan(total), np.nan, result)
 
 
-@jax.jit
-def _float32_sum(params, updates):
-  """``float32(params) + float32(updates)`` as XLA computes it (on CPU it
-  flushes float32 subnormals to zero, so numpy's sum is not the reference)."""
-  return params.astype(jnp.float32) + updates.astype(jnp.float32)
+def _flushes_subnormals() -> bool:
+  """Whether XLA here flushes float32 subnormals to zero (XLA on CPU does)."""
+  return float(jax.jit(lambda a, b: a + b)(np.float32(1e-40), np.float32(0))) == 0
+
+
+def reference_new_params(params, updates, uniform, dtype) -> np.ndarray:
+  """What ``optax.apply_updates`` must give, by numpy (float32 arithmetic
+  with XLA's flushing of subnormals): the float32 sum ``s`` rounded
+  stochastically (`reference_round`) where ``apply_updates`` reaches both
+  neighbours of ``s`` from a step of the params' dtype, else the step ``s -
+  params`` rounded stochastically, added."""
+  np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float16
+  flush = _flushes_subnormals()
+
+  def f32(x):
+    x = np.asarray(x, np.float32)
+    return np.where(flush & (np.abs(x) < np.finfo(np.float32).tiny), np.float32(0) * x, x)
+
+  def to_dtype(x):
+    return np.asarray(f32(x)).astype(np_dtype)
+
+  with np.errstate(all="ignore"):
+    p = f32(np.asarray(params).astype(np.float32))
+    if dtype == jnp.bfloat16:  # bfloat16 subnormals are float32 subnormals
+      p = f32(p)
+    total = f32(p + f32(np.asarray(updates).astype(np.float32)))
+    down = reference_round(total, np.ones_like(total), dtype)
+    up = reference_round(total, np.zeros_like(total), dtype)
+    probability_up = np.asarray(uniform)
+
+    def step_to(target):
+      target = np.float32(target)
+      return to_dtype(np.where(target == p, np.float32(0), f32(target - p)))
+
+    def landed(step):
+      return to_dtype(f32(p + step.astype(np.float32))).astype(np.float64)
+
+    step_down, step_up = step_to(down), step_to(up)
+    reached = (landed(step_down) == down) & (landed(step_up) == up) | np.isnan(total)
+    fine = np.where(reference_round(total, probability_up, dtype) == up, step_up, step_down)
+    coarse = reference_round(f32(total - p), probability_up, dtype).astype(np_dtype)
+    return landed(np.where(reached, fine, coarse))
 
 
 def _one_step(params, updates, seed=0):
-  """``(new params, rounding update, float32 sum, draws)`` of one step of
+  """``(new params, rounding update, reference new params)`` of one step of
   the transform on one leaf."""
   tx = optax4bit.round_params_stochastically(seed)
   out, _ = tx.update(updates, tx.init(params), params)
-  total = _float32_sum(params, updates)
   uniform = param_rounding.leaf_uniform(seed, jnp.int32(1), 0, params.shape)
-  return optax.apply_updates(params, out), out, total, uniform
+  return (optax.apply_updates(params, out), out,
+          reference_new_params(params, updates, uniform, params.dtype))
 
 
 def _assert_same(actual, expected, dtype):
@@ -103,12 +140,12 @@ def test_lands_exactly_on_corner_cases(dtype):
   ]
   params = jnp.asarray(np.array([c[0] for c in cases]), dtype)
   updates = jnp.asarray(np.array([c[1] for c in cases], np.float32))
-  new, rounding_update, total, uniform = _one_step(params, updates)
-  assert new.dtype == dtype and rounding_update.dtype == jnp.float32
-  _assert_same(new, reference_round(total, uniform, dtype), dtype)
-  # The same from bfloat16 updates (what a bfloat16 optimizer returns).
-  new, _, total, uniform = _one_step(params, updates.astype(dtype))
-  _assert_same(new, reference_round(total, uniform, dtype), dtype)
+  new, rounding_update, expected = _one_step(params, updates)
+  assert new.dtype == dtype and rounding_update.dtype == dtype
+  _assert_same(new, expected, dtype)
+  # The same from updates in the params' dtype (what their optimizer returns).
+  new, _, expected = _one_step(params, updates.astype(dtype))
+  _assert_same(new, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float16"])
@@ -133,10 +170,11 @@ def test_lands_exactly_for_every_param_value(dtype):
     u = jnp.asarray(u)
     out, state = update(u, state, params)
     eager, _ = tx.update(u, state._replace(count=state.count - 1), params)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(eager))  # jit == eager
-    total = _float32_sum(params, u)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(eager, np.float32))  # jit == eager
     uniform = param_rounding.leaf_uniform(3, jnp.int32(i + 1), 0, params.shape)
-    _assert_same(optax.apply_updates(params, out), reference_round(total, uniform, dtype), dtype)
+    _assert_same(optax.apply_updates(params, out),
+                 reference_new_params(params, u, uniform, dtype), dtype)
 
 
 def test_draws_are_the_states_hash_per_step_and_leaf():
@@ -168,7 +206,7 @@ def test_float32_leaves_pass_through_and_params_are_needed_for_bfloat16():
   assert out is only_f32
   with pytest.raises(ValueError, match="needs `params` in update"):
     tx.update({"h": jnp.ones((8,), jnp.bfloat16)}, tx.init(None))
-  with pytest.raises(ValueError, match="seed must be a Python int"):
+  with pytest.raises(ValueError, match="seed must be an int"):
     optax4bit.round_params_stochastically(seed=0.5)
 
 
@@ -178,12 +216,30 @@ def test_unbiased_mean_error_over_2_to_20_identical_small_updates():
   ulp = 2.0**-7
   params = jnp.ones((2**10, 2**10), jnp.bfloat16)
   updates = jnp.full(params.shape, ulp / 8, jnp.float32)
-  new, _, _, _ = _one_step(params, updates)
+  new, _, _ = _one_step(params, updates)
   error = np.asarray(new, np.float64) - (1.0 + ulp / 8)
   assert abs(error.mean()) < 0.01 * ulp
   assert set(np.unique(np.asarray(new, np.float64))) == {1.0, 1.0 + ulp}
   nearest = np.asarray(optax.apply_updates(params, updates), np.float64) - (1.0 + ulp / 8)
   assert abs(nearest.mean()) > 0.1 * ulp  # the control: rounding to nearest is biased
+
+
+@pytest.mark.parametrize("param, update", [(1.0, -1.003), (0.01, -0.0137), (-3.0, 3.0 + 2e-4)])
+def test_unbiased_where_the_update_exceeds_the_new_value(param, update):
+  """Sign changes and cancellations (the new value far below the update):
+  no bfloat16 update reaches the neighbours of the sum, the update itself is
+  rounded stochastically, and the mean is still the float32 sum; rounding
+  to nearest is off by more than 10 standard errors."""
+  params = jnp.full((2**14,), param, jnp.bfloat16)
+  updates = jnp.full(params.shape, update, jnp.float32)
+  new, _, expected = _one_step(params, updates)
+  _assert_same(new, expected, jnp.bfloat16)
+  total = np.float64(np.float32(np.float32(params[0]) + np.float32(update)))
+  values = np.asarray(new, np.float64)
+  standard_error = max(np.std(values), 1e-12) / np.sqrt(values.size)
+  assert abs(values.mean() - total) < 4 * standard_error + 1e-9, (values.mean(), total)
+  nearest = float(optax.apply_updates(params[:1], updates[:1].astype(jnp.bfloat16))[0])
+  assert abs(nearest - total) > 10 * standard_error
 
 
 def test_unbiased_over_steps():
