@@ -21,9 +21,10 @@ vocabulary 50304, sequence 1024, batch 4), its layers stacked and run with
 ``jax.lax.scan`` under ``jax.checkpoint`` (activation checkpointing per layer,
 as large models are trained; compile time does not grow with depth). Params
 and gradients are float32, except in the rows "bf16 params + stochastic
-rounding" (``--optimizers adamw_4bit_bf16``): params, and so gradients and
-activations, in bfloat16, the optimizer at its defaults (which append
-`optax4bit.round_params_stochastically` for bfloat16 params). Leaves with at
+rounding" (``--optimizers adamw_4bit_bf16``): params, and so gradients, in
+bfloat16 (the math in float32 on a per-layer upcast), the optimizer at its
+defaults (which append `optax4bit.round_params_stochastically` for bfloat16
+params). Leaves with at
 most 4096 elements keep fp32 moments (the paper's rule), the rest are
 quantized.
 
@@ -169,9 +170,14 @@ def loss_fn(params, tokens, cfg: GPTConfig):
   x_tokens, y = tokens[:, :-1], tokens[:, 1:]
   b, t = x_tokens.shape
   h, d = cfg.n_head, cfg.d_model
-  x = params["wte"][x_tokens] + params["wpe"][:t][None]
+  # bfloat16 params are stored (and their gradients come back) in bfloat16;
+  # the math runs in float32 on a per-layer upcast (for float32 params a no-op).
+  upcast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+  wte = params["wte"].astype(jnp.float32)
+  x = wte[x_tokens] + params["wpe"][:t][None].astype(jnp.float32)
 
   def layer(x, p):
+    p = upcast(p)
     z = _layer_norm(x, p["ln1_g"], p["ln1_b"]) @ p["qkv_w"] + p["qkv_b"]
     q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(z, 3, axis=-1))
     a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
@@ -180,7 +186,7 @@ def loss_fn(params, tokens, cfg: GPTConfig):
     return x + z @ p["fc2_w"] + p["fc2_b"], None
 
   x, _ = jax.lax.scan(jax.checkpoint(layer), x, params["layers"])
-  logits = _layer_norm(x, params["lnf_g"], params["lnf_b"]) @ params["wte"].T
+  logits = _layer_norm(x, *upcast((params["lnf_g"], params["lnf_b"]))) @ wte.T
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -358,8 +364,8 @@ def plot(path: str, rows: list) -> None:
     ax.set_ylabel("GB (1e9 bytes)")
     ax.grid(axis="y", alpha=0.3)
   axes[0][0].legend(fontsize=7)
-  fig.suptitle("compiled training-step memory (CPU compiler, batch 4 x 1024, fp32 params unless bf16)",
-               fontsize=10)
+  fig.suptitle("compiled training-step memory (CPU compiler, batch 4 x 1024, "
+               "fp32 params unless bf16)", fontsize=10)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fig.savefig(path, dpi=110)
@@ -406,7 +412,8 @@ def main(argv=None) -> dict:
 
   if not args.skip_table:
     rows = []
-    print("\n## Training step of GPT-like models (batch 4 x 1024, fp32 params unless bf16, per-layer remat)\n")
+    print("\n## Training step of GPT-like models (batch 4 x 1024, fp32 params unless bf16, "
+          "per-layer remat)\n")
     lines = ["| model | params | optimizer | optimizer state | params + state | temp "
              "(grads, activations, transients) | total step memory |",
              "|---|---|---|---|---|---|---|"]

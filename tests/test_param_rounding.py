@@ -299,6 +299,7 @@ def test_fit_bfloat16_params_reach_float32_loss_only_with_stochastic_rounding():
   assert nearest > 3 * float32, (nearest, float32)
 
 
+@pytest.mark.slow  # two nnx trainings compiled: ~20 s of CPU
 def test_in_chain_with_nnx_optimizer_offload_and_checkpoint():
   """A bfloat16 Flax model trained by nnx.Optimizer with the transform in an
   offloaded adamw_4bit chain; the state checkpoints and restores bitwise."""

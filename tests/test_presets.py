@@ -87,7 +87,8 @@ def test_muon_4bit_without_quantized_leaves_is_muon():
     # Newton-Schulz amplifies the last-bit differences of matmuls compiled
     # into two different programs.
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-8)
-  assert jax.tree.structure(state.inner_state) == jax.tree.structure(ref_state)
+  # state: (quantize_state's, round_params_stochastically's step count)
+  assert jax.tree.structure(state[0].inner_state) == jax.tree.structure(ref_state)
 
 
 def test_muon_4bit_respects_a_given_momentum_quantizer():
