@@ -4,8 +4,7 @@ Rounding ``params + updates`` to the nearest bfloat16 loses every update
 below half an ulp of the parameter: a parameter of 1.0 ignores any step
 smaller than 2**-9. `round_params_stochastically` rounds the float32 sum
 up or down at random, with the probability that makes the expected new
-parameter equal the float32 sum, and returns the update (in the params'
-dtype, so that it costs no more memory than a bfloat16 gradient) that lands
+parameter equal the float32 sum, and returns the float32 update that lands
 ``optax.apply_updates`` exactly there.
 
 Its random numbers are those of the states' stochastic rounding
@@ -111,47 +110,21 @@ def _rounded_float32(x: jax.Array, dtype) -> jax.Array:
   return rounded
 
 
-def _round_to(x: jax.Array, dtype) -> jax.Array:
-  """float32 ``x`` rounded to nearest in ``dtype``."""
-  return _rounded_float32(x, dtype).astype(dtype)
+def landing_update(params: jax.Array, rounded: jax.Array) -> jax.Array:
+  """float32 update with which ``optax.apply_updates`` (``params + update``
+  in float32, then cast to the params' dtype) gives exactly ``rounded``.
 
-
-def _landed(old: jax.Array, step: jax.Array) -> jax.Array:
-  """What ``optax.apply_updates`` gives: ``params + step`` in float32,
-  rounded to nearest in the params' dtype."""
-  return _round_to(old + _as_float32(step), step.dtype)
-
-
-def _step_to(old: jax.Array, target: jax.Array) -> jax.Array:
-  """The update from ``old`` to ``target`` rounded to ``target``'s dtype (0
-  where they are equal, infinities included)."""
-  new = target.astype(jnp.float32)
-  return _round_to(jnp.where(new == old, jnp.zeros_like(new), new - old), target.dtype)
-
-
-def rounding_update(params: jax.Array, updates: jax.Array, uniform: jax.Array) -> jax.Array:
-  """The update, in the params' dtype, with which ``optax.apply_updates``
-  lands on ``s = float32(params) + float32(updates)`` rounded stochastically.
-
-  Where both neighbours of ``s`` are reached exactly by some update of that
-  dtype (always unless the update exceeds the new value, e.g. a sign change,
-  or ties), it is the step to ``s`` rounded up or down (`_neighbours`).
-  Elsewhere the step ``s - params`` itself is rounded stochastically: also
-  unbiased, and exact where the sum cancels (a sum much smaller than its
-  terms has few significant bits), on the update's coarser grid. Which of
-  the two applies depends on ``params`` and ``updates`` only, not on the
-  draw, so the result stays unbiased.
+  ``rounded - params`` is exact in float32 unless one of them is more than
+  2**16 times the other; if ``rounded`` is the larger, the float32 error is
+  far below half its ulp and the cast still lands on it; ``params`` cannot be
+  the larger then, since a float32 sum that small cancels exactly (Sterbenz)
+  into a value with at most 8 significant bits, which is kept as it is. Where
+  they are equal (infinities included) the update is 0. (An update in the
+  params' dtype could not land exactly on a sign change or a cancellation.)
   """
-  dtype = params.dtype
   old = _as_float32(params)
-  total = old + _as_float32(updates)
-  down, up, probability = _neighbours(total, dtype)
-  step_down, step_up = _step_to(old, down), _step_to(old, up)
-  reached = ((_landed(old, step_down) == down) & (_landed(old, step_up) == up)
-             | jnp.isnan(total))
-  fine = jnp.where(uniform < probability, step_up, step_down)
-  coarse = round_stochastically(total - old, dtype, uniform)
-  return jnp.where(reached, fine, coarse)
+  new = rounded.astype(jnp.float32)
+  return jnp.where(new == old, jnp.zeros_like(new), new - old)
 
 
 def _as_float32(x: jax.Array) -> jax.Array:
@@ -188,13 +161,12 @@ def round_params_stochastically(seed: int = 0) -> optax.GradientTransformation:
   + float32(updates)``, rounds ``s`` to the parameter's dtype up or down
   with probabilities that make the expected result ``s`` (so updates far
   below one ulp still move the parameter on average), and returns the
-  update, in the parameter's dtype, with which ``optax.apply_updates(params,
-  u')`` is exactly that rounded value. Where no update of that dtype reaches
-  a neighbour of ``s`` (the new value much smaller than the update: a sign
-  change, a cancellation), the update itself is rounded stochastically
-  instead, which is as unbiased. Other leaves (float32 ...) pass through
-  unchanged. Rounding to nearest instead stalls: a bfloat16 parameter of
-  1.0 ignores any update below 2**-9.
+  float32 update ``u'`` with which ``optax.apply_updates(params, u')`` is
+  exactly that rounded value (an update in the parameter's dtype could not
+  land exactly on a sign change or a cancellation; in a jitted step XLA fuses
+  it into the addition). Other leaves (float32 ...) pass through unchanged.
+  Rounding to nearest instead stalls: a bfloat16 parameter of 1.0 ignores
+  any update below 2**-9.
 
   The draws hash the step, the leaf and the element's index in the global
   leaf, as the states' stochastic rounding does: jit, sharded (explicit or
@@ -246,7 +218,9 @@ def round_params_stochastically(seed: int = 0) -> optax.GradientTransformation:
       if p.dtype not in ROUNDED_DTYPES:
         out.append(u)
         continue
-      out.append(rounding_update(p, jnp.asarray(u), leaf_uniform(seed, count_inc, leaf, p.shape)))
+      total = _as_float32(p) + _as_float32(jnp.asarray(u))
+      uniform = leaf_uniform(seed, count_inc, leaf, p.shape)
+      out.append(landing_update(p, round_stochastically(total, p.dtype, uniform)))
     return treedef.unflatten(out), RoundParamsStochasticallyState(count_inc)
 
   return optax.GradientTransformation(init_fn, update_fn)
