@@ -84,13 +84,8 @@ def adam_4bit(
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
-    param_rounding: how new bfloat16/float16 params are rounded:
-      ``"stochastic"`` (default) appends `round_params_stochastically`, so
-      that updates below half an ulp still move them (on average exactly);
-      ``"nearest"`` leaves it to ``optax.apply_updates``, which loses them
-      (a 4.2x higher loss on the fit of docs/bfloat16.md). No effect on
-      float32 params. With it, ``update`` needs ``params`` for bfloat16 or
-      float16 updates.
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `adamw_4bit`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -183,9 +178,10 @@ def adamw_4bit(
       ``"stochastic"`` (default) appends `round_params_stochastically`, so
       that updates below half an ulp still move them (on average exactly);
       ``"nearest"`` leaves it to ``optax.apply_updates``, which loses them
-      (a 4.2x higher loss on the fit of docs/bfloat16.md). No effect on
-      float32 params. With it, ``update`` needs ``params`` for bfloat16 or
-      float16 updates.
+      (4.8x the float32 loss on the fit of docs/bfloat16.md). No effect on
+      float32 params (they pass through; the state gains a step count).
+      With it, ``update`` needs ``params`` for bfloat16 or float16 updates,
+      and returns float32 updates for them.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -262,13 +258,8 @@ def adamw_4bit_factor(
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
-    param_rounding: how new bfloat16/float16 params are rounded:
-      ``"stochastic"`` (default) appends `round_params_stochastically`, so
-      that updates below half an ulp still move them (on average exactly);
-      ``"nearest"`` leaves it to ``optax.apply_updates``, which loses them
-      (a 4.2x higher loss on the fit of docs/bfloat16.md). No effect on
-      float32 params. With it, ``update`` needs ``params`` for bfloat16 or
-      float16 updates.
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `adamw_4bit`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -345,13 +336,8 @@ def adamw_8bit(
       AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
-    param_rounding: how new bfloat16/float16 params are rounded:
-      ``"stochastic"`` (default) appends `round_params_stochastically`, so
-      that updates below half an ulp still move them (on average exactly);
-      ``"nearest"`` leaves it to ``optax.apply_updates``, which loses them
-      (a 4.2x higher loss on the fit of docs/bfloat16.md). No effect on
-      float32 params. With it, ``update`` needs ``params`` for bfloat16 or
-      float16 updates.
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `adamw_4bit`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -407,13 +393,8 @@ def sgdm_4bit(
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
-    param_rounding: how new bfloat16/float16 params are rounded:
-      ``"stochastic"`` (default) appends `round_params_stochastically`, so
-      that updates below half an ulp still move them (on average exactly);
-      ``"nearest"`` leaves it to ``optax.apply_updates``, which loses them
-      (a 4.2x higher loss on the fit of docs/bfloat16.md). No effect on
-      float32 params. With it, ``update`` needs ``params`` for bfloat16 or
-      float16 updates.
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `adamw_4bit`).
 
   Returns:
     An ``optax.GradientTransformation``.
