@@ -230,8 +230,8 @@ def muon_4bit(
   benchmarks/quality.py at Muon's usual learning rate (0.02 on the
   matrices; benchmarks/bf16_quality.py, 2000 steps) the 4-bit momentum's
   validation loss is 3.1% above fp32 Muon's over the second half of training
-  (2 seeds, growing from 1.9% at step 200 to 3.5% at 2000), the 8-bit one's
-  -0.8% (1 seed), against the 1% the 4-bit default had to meet.
+  (3 seeds, growing from 1.9% at step 200 to 3.3% at 2000), the 8-bit one's
+  -0.3%, against the 1% the 4-bit default had to meet.
 
   **At small learning rates a 4-bit momentum lags fp32 Muon** too: on the
   least-squares problem of benchmarks/RESULTS.md ("4-bit Muon") the loss
