@@ -181,7 +181,8 @@ def summarize(steps: int) -> dict:
       seeds = sorted(set(found[variant]) & set(ref))
       if not seeds:
         continue
-      runs = {quality.REFERENCE: [ref[s] for s in seeds], variant: [found[variant][s] for s in seeds]}
+      runs = {quality.REFERENCE: [ref[s] for s in seeds],
+              variant: [found[variant][s] for s in seeds]}
       marks = quality.checkpoints(ref[seeds[0]]["steps"])
       table = quality.paired(runs, "val_loss", marks)[variant]
       gaps = {step: {"mean": cell["ratio"]["mean"] - 1, "std": cell["ratio"]["std"],
