@@ -20,8 +20,13 @@ The model: a GPT-2-style pre-norm decoder (learned positions, tied embedding,
 vocabulary 50304, sequence 1024, batch 4), its layers stacked and run with
 ``jax.lax.scan`` under ``jax.checkpoint`` (activation checkpointing per layer,
 as large models are trained; compile time does not grow with depth). Params
-and gradients are float32. Leaves with at most 4096 elements keep fp32 moments
-(the paper's rule), the rest are quantized.
+and gradients are float32, except in the rows "bf16 params + stochastic
+rounding" (``--optimizers adamw_4bit_bf16``): params, and so gradients, in
+bfloat16 (the math in float32 on a per-layer upcast), the optimizer at its
+defaults (which append `optax4bit.round_params_stochastically` for bfloat16
+params). Leaves with at
+most 4096 elements keep fp32 moments (the paper's rule), the rest are
+quantized.
 
 "4-bit AdamW, state offloaded" is ``optax4bit.offload_state(adamw_4bit)``: the
 state is given in ``pinned_host`` memory (params on the device) and its total
@@ -47,6 +52,8 @@ them as estimates of a GPU's footprint, without framework overhead.
 Usage:
   python benchmarks/training_memory.py                 # both tables
   python benchmarks/training_memory.py --budgets 24 80 --skip-table
+  python benchmarks/training_memory.py --optimizers adamw_4bit_bf16 --skip-table \
+      --out benchmarks/results/training_memory_bf16.json
 """
 
 from __future__ import annotations
@@ -84,8 +91,11 @@ INFLIGHT = "moments"
 # The device of a GPU target (--gpu-target) to compile for instead of this machine's.
 TARGET_DEVICE = None
 OFFLOADED = "_offloaded"  # suffix: the optimizer wrapped in optax4bit.offload_state
+# suffix: params (so gradients and activations) in bfloat16, rounded stochastically
+# by the optimizer's default param_rounding="stochastic" (issue 36).
+BF16 = "_bf16"
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_4bit_factor",
-              "adamw_4bit" + OFFLOADED)
+              "adamw_4bit" + OFFLOADED, "adamw_4bit" + BF16, "adamw_4bit_factor" + BF16)
 LABELS = {"adamw": "fp32 AdamW (optax)", "adamw_8bit": "8-bit AdamW",
           "adamw_4bit": "4-bit AdamW", "adamw_4bit_factor": "4-bit Factor"}
 
@@ -93,7 +103,13 @@ LABELS = {"adamw": "fp32 AdamW (optax)", "adamw_8bit": "8-bit AdamW",
 def label(opt_name: str) -> str:
   if opt_name.endswith(OFFLOADED):
     return LABELS[opt_name[:-len(OFFLOADED)]] + ", state offloaded"
+  if opt_name.endswith(BF16):
+    return LABELS[opt_name[:-len(BF16)]] + ", bf16 params + stochastic rounding"
   return LABELS[opt_name]
+
+
+def param_dtype(opt_name: str):
+  return jnp.bfloat16 if opt_name.endswith(BF16) else jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +170,14 @@ def loss_fn(params, tokens, cfg: GPTConfig):
   x_tokens, y = tokens[:, :-1], tokens[:, 1:]
   b, t = x_tokens.shape
   h, d = cfg.n_head, cfg.d_model
-  x = params["wte"][x_tokens] + params["wpe"][:t][None]
+  # bfloat16 params are stored (and their gradients come back) in bfloat16;
+  # the math runs in float32 on a per-layer upcast (for float32 params a no-op).
+  upcast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+  wte = params["wte"].astype(jnp.float32)
+  x = wte[x_tokens] + params["wpe"][:t][None].astype(jnp.float32)
 
   def layer(x, p):
+    p = upcast(p)
     z = _layer_norm(x, p["ln1_g"], p["ln1_b"]) @ p["qkv_w"] + p["qkv_b"]
     q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(z, 3, axis=-1))
     a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
@@ -165,13 +186,15 @@ def loss_fn(params, tokens, cfg: GPTConfig):
     return x + z @ p["fc2_w"] + p["fc2_b"], None
 
   x, _ = jax.lax.scan(jax.checkpoint(layer), x, params["layers"])
-  logits = _layer_norm(x, params["lnf_g"], params["lnf_b"]) @ params["wte"].T
+  logits = _layer_norm(x, *upcast((params["lnf_g"], params["lnf_b"]))) @ wte.T
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def make_optimizer(name: str) -> optax.GradientTransformation:
   if name.endswith(OFFLOADED):
     return optax4bit.offload_state(make_optimizer(name[:-len(OFFLOADED)]), "pinned_host")
+  if name.endswith(BF16):  # the same optimizer: its default rounds bf16 params stochastically
+    return make_optimizer(name[:-len(BF16)])
   if name == "adamw":
     return optax.adamw(1e-4)
   if TARGET_DEVICE is not None:  # `auto` follows the default device, here the CPU
@@ -221,7 +244,7 @@ def step_memory(cfg: GPTConfig, opt_name: str) -> dict:
   """
   tx = make_optimizer(opt_name)
   offloaded = opt_name.endswith(OFFLOADED)
-  params = param_shapes(cfg)
+  params = param_shapes(cfg, param_dtype(opt_name))
   opt_state = jax.eval_shape(tx.init, params)
   tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32)
   if offloaded or TARGET_DEVICE is not None:
@@ -341,8 +364,8 @@ def plot(path: str, rows: list) -> None:
     ax.set_ylabel("GB (1e9 bytes)")
     ax.grid(axis="y", alpha=0.3)
   axes[0][0].legend(fontsize=7)
-  fig.suptitle("compiled training-step memory (CPU compiler, batch 4 x 1024, fp32 params)",
-               fontsize=10)
+  fig.suptitle("compiled training-step memory (CPU compiler, batch 4 x 1024, "
+               "fp32 params unless bf16)", fontsize=10)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fig.savefig(path, dpi=110)
@@ -389,7 +412,8 @@ def main(argv=None) -> dict:
 
   if not args.skip_table:
     rows = []
-    print("\n## Training step of GPT-like models (batch 4 x 1024, fp32 params, per-layer remat)\n")
+    print("\n## Training step of GPT-like models (batch 4 x 1024, fp32 params unless bf16, "
+          "per-layer remat)\n")
     lines = ["| model | params | optimizer | optimizer state | params + state | temp "
              "(grads, activations, transients) | total step memory |",
              "|---|---|---|---|---|---|---|"]

@@ -21,6 +21,7 @@ from optax4bit.alias import (
 from optax4bit.presets import ademamix_4bit, lion_4bit, muon_4bit
 from optax4bit.quant import QuantizedArray, QuantSpec, dequantize, qmap, quantize
 from optax4bit.offload import offload_state
+from optax4bit.param_rounding import RoundParamsStochasticallyState, round_params_stochastically
 from optax4bit.sharding import shard_optimizer, state_partition_spec, state_shardings
 from optax4bit.transform import (
     FactoredMoment,
@@ -47,6 +48,7 @@ __all__ = [
     "QuantSpec",
     "QuantizedArray",
     "QuantizedState",
+    "RoundParamsStochasticallyState",
     "ScaleByAdam4bitState",
     "ScaleByFactoredAdam4bitState",
     "ScaleByMomentum4bitState",
@@ -65,6 +67,7 @@ __all__ = [
     "quantize",
     "quantize_state",
     "recipes",
+    "round_params_stochastically",
     "scale_by_adam_4bit",
     "scale_by_factored_adam_4bit",
     "scale_by_momentum_4bit",

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import optax
 
+from optax4bit import param_rounding as _param_rounding
 from optax4bit import transform
 from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn, check_hyperparam
 from optax4bit.dispatch import Implementation
@@ -52,6 +53,7 @@ def adam_4bit(
     seed: int = 0,
     chunk_size: Optional[int] = None,
     implementation: Implementation = "auto",
+    param_rounding: str = "stochastic",
 ) -> optax.GradientTransformation:
   """Adam with 4-bit moments: a drop-in for ``optax.adam``.
 
@@ -82,6 +84,8 @@ def adam_4bit(
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `adamw_4bit`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -107,6 +111,7 @@ def adam_4bit(
           quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
           implementation=implementation),
       optax.scale_by_learning_rate(learning_rate),
+      *_param_rounding.rounding_transforms(param_rounding, seed),
   )
 
 
@@ -129,6 +134,7 @@ def adamw_4bit(
     seed: int = 0,
     chunk_size: Optional[int] = None,
     implementation: Implementation = "auto",
+    param_rounding: str = "stochastic",
 ) -> optax.GradientTransformation:
   """AdamW with 4-bit moments (the paper's "4-bit AdamW"): a drop-in for
   ``optax.adamw``.
@@ -168,6 +174,14 @@ def adamw_4bit(
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
+    param_rounding: how new bfloat16/float16 params are rounded:
+      ``"stochastic"`` (default) appends `round_params_stochastically`, so
+      that updates below half an ulp still move them (on average exactly);
+      ``"nearest"`` leaves it to ``optax.apply_updates``, which loses them
+      (4.8x the float32 loss on the fit of docs/bfloat16.md). No effect on
+      float32 params (they pass through; the state gains a step count).
+      With it, ``update`` needs ``params`` for bfloat16 or float16 updates,
+      and returns float32 updates for them.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -194,6 +208,7 @@ def adamw_4bit(
           implementation=implementation),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
+      *_param_rounding.rounding_transforms(param_rounding, seed),
   )
 
 
@@ -214,6 +229,7 @@ def adamw_4bit_factor(
     seed: int = 0,
     chunk_size: Optional[int] = None,
     implementation: Implementation = "auto",
+    param_rounding: str = "stochastic",
 ) -> optax.GradientTransformation:
   """The paper's "4-bit Factor": 4-bit first moment, factored second moment.
 
@@ -242,6 +258,8 @@ def adamw_4bit_factor(
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `adamw_4bit`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -263,6 +281,7 @@ def adamw_4bit_factor(
           chunk_size=chunk_size, implementation=implementation),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
+      *_param_rounding.rounding_transforms(param_rounding, seed),
   )
 
 
@@ -281,6 +300,7 @@ def adamw_8bit(
     quantize_mask: MaskOrFn = None,
     chunk_size: Optional[int] = None,
     implementation: Implementation = "auto",
+    param_rounding: str = "stochastic",
 ) -> optax.GradientTransformation:
   """AdamW with 8-bit moments (the bitsandbytes recipe): both moments 8-bit
   dynamic exponent, block-wise with blocks of 256. About 2 bytes per parameter.
@@ -316,6 +336,8 @@ def adamw_8bit(
       AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `adamw_4bit`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -330,7 +352,7 @@ def adamw_8bit(
       learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov,
       first_moment=EIGHT_BIT_FIRST_MOMENT, second_moment=EIGHT_BIT_SECOND_MOMENT,
       min_quantize_size=min_quantize_size, quantize_mask=quantize_mask, chunk_size=chunk_size,
-      implementation=implementation)
+      implementation=implementation, param_rounding=param_rounding)
 
 
 def sgdm_4bit(
@@ -346,6 +368,7 @@ def sgdm_4bit(
     seed: int = 0,
     chunk_size: Optional[int] = None,
     implementation: Implementation = "auto",
+    param_rounding: str = "stochastic",
 ) -> optax.GradientTransformation:
   """SGD with a 4-bit momentum buffer: a drop-in for
   ``optax.sgd(learning_rate, momentum, nesterov, accumulator_dtype)``.
@@ -370,6 +393,8 @@ def sgdm_4bit(
       beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
       ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
       `optax4bit.dispatch`).
+    param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
+      bfloat16/float16 params are rounded (see `adamw_4bit`).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -388,6 +413,7 @@ def sgdm_4bit(
           quantize_mask=quantize_mask, seed=seed, chunk_size=chunk_size,
           implementation=implementation),
       optax.scale_by_learning_rate(learning_rate),
+      *_param_rounding.rounding_transforms(param_rounding, seed),
   )
 
 

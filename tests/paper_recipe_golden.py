@@ -21,20 +21,24 @@ import numpy as np
 import optax4bit
 
 SHAPES = {"mat": (64, 256), "vec": (5000,), "cube": (3, 40, 130)}
+# The params are float32, which param_rounding leaves as they are; "nearest"
+# keeps the golden state's structure (no rounding step count, issue 36).
 CONFIGS = {
     # The paper's recipe: first moment B128/DE, second moment Rank-1/Linear.
     "paper": lambda implementation: optax4bit.adamw_4bit(1e-2, min_quantize_size=0,
                                           first_moment="B128/DE", second_moment="Rank-1/Linear",
-                                          implementation=implementation),
+                                          implementation=implementation, param_rounding="nearest"),
     # torchao's AdamW4bit: no rank-1 normalization, B128 for both moments.
     "torchao": lambda implementation: optax4bit.adamw_4bit(1e-2, min_quantize_size=0,
                                             first_moment="B128/DE", second_moment="B128/DE-0",
-                                            implementation=implementation),
+                                            implementation=implementation,
+                                            param_rounding="nearest"),
     "factor_paper": lambda implementation: optax4bit.adamw_4bit_factor(
         1e-2, min_quantize_size=0, first_moment="B128/DE", second_moment="Rank-1/Linear",
-        implementation=implementation),
+        implementation=implementation, param_rounding="nearest"),
     "sgdm_paper": lambda implementation: optax4bit.sgdm_4bit(1e-2, min_quantize_size=0,
-                                              first_moment="B128/DE", implementation=implementation),
+                                              first_moment="B128/DE", implementation=implementation,
+                                              param_rounding="nearest"),
 }
 STEPS = 3
 

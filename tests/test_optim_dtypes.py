@@ -102,10 +102,12 @@ def test_low_precision_params_use_float32_math(name):
 
 @pytest.mark.parametrize("factory", [optax4bit.adamw_4bit])
 def test_low_precision_params_aliases(factory):
-  """The aliases return updates in the parameter dtype; the learning rate
-  (and weight decay) are applied by optax in that dtype, as for optax.adamw:
-  at most a rounding or two away from the float32 run."""
-  tx = factory(1e-3, min_quantize_size=256)
+  """With ``param_rounding="nearest"`` the aliases return updates in the
+  parameter dtype; the learning rate (and weight decay) are applied by optax
+  in that dtype, as for optax.adamw: at most a rounding or two away from the
+  float32 run. (The default, ``"stochastic"``, returns float32 updates that
+  land on stochastically rounded params: tests/test_param_rounding.py.)"""
+  tx = factory(1e-3, min_quantize_size=256, param_rounding="nearest")
   params = make_params()
 
   @jax.jit
@@ -131,7 +133,7 @@ def test_fp16_tiny_gradients_do_not_underflow():
   step of about lr."""
   params = {"w": jnp.zeros((32, 96), jnp.float16), "s": jnp.zeros((7,), jnp.float16)}
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-4, jnp.float16), params)
-  tx = optax4bit.adam_4bit(1e-3, min_quantize_size=256)
+  tx = optax4bit.adam_4bit(1e-3, min_quantize_size=256, param_rounding="nearest")
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   for leaf in jax.tree.leaves(updates):
     assert leaf.dtype == jnp.float16

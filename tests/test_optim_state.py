@@ -226,9 +226,9 @@ def test_state_nbytes_4bit_adamw_1024x1024():
   m_scales = n * (n // 128) * 4  # one float32 per block of 128
   v_codes = n * n // 2
   v_rank1 = (n + n) * 4
-  count = 4
-  expected = m_codes + m_scales + v_codes + v_rank1 + count
-  assert optax4bit.state_nbytes(state) == expected == 1_089_540
+  counts = 4 + 4  # the optimizer's step and round_params_stochastically's
+  expected = m_codes + m_scales + v_codes + v_rank1 + counts
+  assert optax4bit.state_nbytes(state) == expected == 1_089_544
   mu, nu = state[0].mu["w"], state[0].nu["w"]
   assert mu.codes.nbytes == m_codes and sum(s.nbytes for s in mu.scales) == m_scales
   assert nu.codes.nbytes == v_codes and sum(s.nbytes for s in nu.scales) == v_rank1
@@ -239,11 +239,12 @@ def test_state_nbytes_4bit_adamw_1024x1024():
 
 
 @pytest.mark.parametrize("name,expected_bytes", [
-    # m codes + m scales + row + col + count
-    ("adamw_4bit_factor", 1024 * 512 + 1024 * 8 * 4 + 1024 * 4 + 1024 * 4 + 4),
-    ("sgdm_4bit", 1024 * 512 + 1024 * 8 * 4 + 4),
+    # m codes + m scales + row + col + the two step counts (the optimizer's and
+    # round_params_stochastically's)
+    ("adamw_4bit_factor", 1024 * 512 + 1024 * 8 * 4 + 1024 * 4 + 1024 * 4 + 8),
+    ("sgdm_4bit", 1024 * 512 + 1024 * 8 * 4 + 8),
     # 8-bit codes and one float32 per block of 256, for both moments
-    ("adamw_8bit", 2 * (1024 * 1024 + 1024 * 4 * 4) + 4),
+    ("adamw_8bit", 2 * (1024 * 1024 + 1024 * 4 * 4) + 8),
 ])
 def test_state_nbytes_other_optimizers(name, expected_bytes):
   state = getattr(optax4bit, name)(1e-3).init({"w": jnp.zeros((1024, 1024))})
