@@ -41,8 +41,8 @@ import optax4bit  # noqa: E402  pylint: disable=wrong-import-position
 from quantize_state_contrib import least_squares  # noqa: E402  pylint: disable=wrong-import-position
 
 Q = optax4bit.QuantSpec
-# name -> momentum quantizer: "B32/NF sr" is muon_4bit's default (MUON_MOMENTUM), the
-# last its 8-bit option (MUON_MOMENTUM_8BIT).
+# name -> momentum quantizer: "B32/NF sr" is muon_4bit's 4-bit option (MUON_MOMENTUM), the
+# last its default since issue 36, the 8-bit MUON_MOMENTUM_8BIT (its LM row: muon_4bit).
 MOMENTA = {
     "B128/NF sr": Q("block", "NF", 4, signed=True, block_size=128, stochastic=True),
     "B32/NF sr": optax4bit.presets.MUON_MOMENTUM,
