@@ -164,6 +164,10 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
       to take the maxima over the other shards.
   """
   keys = tuple(keys) if keys is not None else (None,) * len(moments)
+  if not jnp.issubdtype(grad.dtype, jnp.inexact):
+    # An integer (or bool) leaf steps as optax's do: its gradient's values in
+    # float32, and a float32 update (cast back, it would round to 0).
+    grad = grad.astype(jnp.float32)
   if reduce_scales is None:
     sharding = _sharding.leaf_sharding(grad)
     auto = sharding is None and _sharding.on_auto_mesh(grad)
