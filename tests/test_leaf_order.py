@@ -57,12 +57,15 @@ def test_issue_tree_has_no_gather(issue_tree, name):
 def test_no_order_and_no_mesh_adds_a_collective():
   """Every order of the three leaves, on 2 x 4 and 4 x 2 classic meshes and
   an explicit mesh: the step's collectives are a sub-multiset of those of the
-  leaves' steps run alone (where nothing is ordered)."""
-  runs = _value(run_json(SCRIPT, "orders", timeout=1800), "orders")
+  leaves' steps run alone (where nothing is ordered); the first order of each
+  mesh bitwise against one device."""
+  runs = _value(run_json(SCRIPT, "orders", timeout=3000), "orders")
   assert len(runs) == 2 * 2 * 6 + 2
   for label, run in runs.items():
     whole, alone = collections.Counter(run["whole"]), collections.Counter(run["alone"])
     assert not whole - alone, (label, run)
+    if "params_max_rel" not in run:
+      continue
     if label.startswith("adamw_4bit "):
       assert run["params_max_rel"] == 0.0 and run["state_diff"] == [], (label, run)
     else:
