@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from optax4bit import _order
 from optax4bit import sharding as _sharding
 from optax4bit.quant.array import QuantizedArray
 
@@ -51,13 +52,20 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
     return tuple(r if i is None else QuantizedArray(r[0], tuple(r[1]), i[0], leaf_shape, i[1])
                  for r, i in zip(raw_moments, info))
 
-  def run(reduce, leaf_shape, g, raw_moments, side_, data, consts_):
+  ordering = _order.request()
+
+  def run_raw(reduce, leaf_shape, g, raw_moments, side_, data, consts_):
     keys_ = tuple(None if d is None else jax.random.wrap_key_data(d, impl=i)
                   for d, i in zip(data, impls))
     update, new = local_update(g, moments_of(raw_moments, leaf_shape), side_, keys_, reduce,
                                consts_)
     return update, tuple((m.codes, tuple(m.scales)) if isinstance(m, QuantizedArray) else m
-                         for m in new)
+                         for m in new), new
+
+  def run(reduce, leaf_shape, *a):
+    # With sequential_map's zero (see `optax4bit._order`), made
+    # per shard: a replicated scalar output.
+    return _order.with_local_zero(functools.partial(run_raw, reduce, leaf_shape), ordering)(*a)
 
   args = (grad, raw, tuple(side), key_data, tuple(consts))
   # custom_partitioning takes no closed-over constants (8-bit tables are):
@@ -75,6 +83,7 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
     return lambda tables_, *a: run(reduce, leaf_shape, *a)
 
   fn = custom_partitioning(whole)
+  zero_spec = _order.zero_specs(ordering)
 
   def specs(spec):
     of = lambda x: _sharding.state_partition_spec(spec, shape, tuple(x.shape))  # noqa: E731
@@ -91,7 +100,7 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
     del result_shape
     spec, _, _ = _sharding.shard_runner(mesh, given_spec(arg_shapes), shape)
     specs_ = specs(spec)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), (specs_[1], specs_[2]),
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), (specs_[1], specs_[2]) + zero_spec,
                         is_leaf=lambda s: isinstance(s, PartitionSpec))
 
   def partition(mesh, arg_shapes, result_shape):
@@ -104,7 +113,8 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
         _sharding.check_alignment(m, mesh, spec)
     arg_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(spec),
                                  is_leaf=lambda s: isinstance(s, PartitionSpec))
-    out_shardings = (arg_shardings[1], arg_shardings[2])
+    out_shardings = (arg_shardings[1], arg_shardings[2]) + tuple(
+        NamedSharding(mesh, s) for s in zero_spec)
     if local_shape == shape:  # replicated: the whole update on every device
       return mesh, per_shard_of(_identity, shape), out_shardings, arg_shardings
 
@@ -120,9 +130,9 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
   operands = [tuple(next(names) for _ in np.shape(x))
               for x in tables + tuple(jax.tree.leaves(args))]
   first = len(tables)  # the gradient, then the old state arrays
-  results = operands[first:first + 1 + len(jax.tree.leaves(raw))]
+  results = operands[first:first + 1 + len(jax.tree.leaves(raw))] + [()] * len(zero_spec)
   fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=SdyShardingRule(
                        operand_mappings=tuple(operands), result_mappings=tuple(results)))
-  update, new_raw = fn(tables, *args)
-  return update, moments_of(new_raw, shape)
+  update, new_raw, *zero = fn(tables, *args)
+  return update, moments_of(_order.collect(ordering, new_raw, zero), shape)

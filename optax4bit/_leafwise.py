@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax4bit import _codecs
+from optax4bit import _order
 from optax4bit import _gspmd
 from optax4bit import sharding as _sharding
 from optax4bit._validation import DEFAULT_CHUNK_SIZE
@@ -163,6 +164,10 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
       to take the maxima over the other shards.
   """
   keys = tuple(keys) if keys is not None else (None,) * len(moments)
+  if not jnp.issubdtype(grad.dtype, jnp.inexact):
+    # An integer (or bool) leaf steps as optax's do: its gradient's values in
+    # float32, and a float32 update (cast back, it would round to 0).
+    grad = grad.astype(jnp.float32)
   if reduce_scales is None:
     sharding = _sharding.leaf_sharding(grad)
     auto = sharding is None and _sharding.on_auto_mesh(grad)
@@ -511,7 +516,7 @@ def _zero_after(result):
       written_last.append(moment.codes)
       if not _plan(moment).needs_second_pass:
         written_last.extend(moment.scales)
-  candidates = written_last or ([] if update is None else [update])
+  candidates = [x for x in written_last or ([] if update is None else [update]) if x.size]
   if not candidates or not isinstance(candidates[0], jax.core.Tracer):
     return 0
   if _sharding.may_be_split(candidates[0]):
@@ -544,13 +549,21 @@ def sequential_map(fn: Callable, *leaf_lists: Sequence) -> list:
   ``i``'s stored codes (`_zero_after`): `update_leaf` adds it to every row
   offset it slices at, and `after_previous_leaf` subtracts it from whole
   inputs. Either is a data dependence that keeps call ``i + 1`` after call
-  ``i``.
+  ``i``. A call that runs per shard (``shard_map``, or ``custom_partitioning``
+  on an ``Auto`` mesh) makes that zero from each device's own shard
+  (`optax4bit._order`), so ordering the leaves adds no
+  collective whatever the mesh, the shardings and the order of the leaves.
   """
-  results = []
+  results, local_zeros = [], []
   for args in zip(*leaf_lists):
-    token = _ROW_OFFSET.set(_zero_after(results[-1]) if results else 0)
+    zero = 0
+    if results:
+      zero = functools.reduce(jnp.bitwise_or, local_zeros) if local_zeros else (
+          _zero_after(results[-1]))
+    token = _ROW_OFFSET.set(zero)
     try:
-      results.append(fn(*args))
+      with _order.order_zeros(_zero_after) as local_zeros:
+        results.append(fn(*args))
     finally:
       _ROW_OFFSET.reset(token)
   return results

@@ -6,7 +6,11 @@ quantizer: orbax alone would happily decode codes written under another map
 (``Rank-1/Linear`` codes read as ``Rank-1/DE-0``) into garbage. `save` writes,
 beside the arrays, a small JSON description of every leaf (path, quantizer,
 shape, dtype); `restore` compares it with the target first and raises
-`CheckpointMismatchError` naming the differing leaves.
+`CheckpointMismatchError` naming the differing leaves. The description
+survives trees that keep only keys and leaves, such as ``nnx.state(optimizer)``
+(which splits each `QuantizedArray` into plain ``codes`` and ``scales``
+leaves): a `QuantizedArray` files its scales under a key naming its quantizer
+(`optax4bit.quant.array.quantizer_key`), which `describe` reads back.
 
 Saves go through ``orbax.checkpoint.CheckpointManager``, which writes a step
 into a temporary directory and renames it when complete (atomic finalize): a
@@ -46,7 +50,9 @@ from optax4bit.quant.array import QuantizedArray
 __all__ = ["CheckpointMismatchError", "abstract", "describe", "restore", "save",
            "check_compatible"]
 
-FORMAT = "optax4bit-state/1"
+# /2: scales are keyed by their quantizer (`qarray.quantizer_key`); /1 files
+# had ``scales[i]`` array names, which a /2 target does not have.
+FORMAT = "optax4bit-state/2"
 STATE_ITEM = "state"
 META_ITEM = "optax4bit"
 
@@ -65,22 +71,50 @@ def _describe_leaf(x) -> dict:
   return {"kind": type(x).__name__}
 
 
+def _split_quantizer(path: tuple):
+  """``(path, spec)``: for a scale array of a split `QuantizedArray` (a path
+  through ``scales`` and its quantizer key, as ``nnx.state`` leaves it), the
+  path without that key and the quantizer; else ``(path, None)``."""
+  for i in range(1, len(path)):
+    key = getattr(path[i], "key", None)
+    before = path[i - 1]
+    if getattr(before, "name", getattr(before, "key", None)) == "scales":
+      spec = qarray.spec_of_key(key)
+      if spec is not None:
+        return path[:i] + path[i + 1:], spec
+  return path, None
+
+
 def describe(tree) -> dict:
   """A JSON-able description of every leaf of ``tree``: its path and, for a
   `QuantizedArray`, its quantizer, logical shape and dtype (arrays: shape and
-  dtype). Works for arrays and ``jax.ShapeDtypeStruct`` alike."""
+  dtype). Works for arrays and ``jax.ShapeDtypeStruct`` alike, and for trees
+  in which quantized arrays were split into their codes and scales (Flax
+  NNX's ``nnx.state``): a scale array is described with its quantizer."""
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=qarray.is_quantized)[0]
-  return {"format": FORMAT,
-          "leaves": {jax.tree_util.keystr(path): _describe_leaf(x) for path, x in leaves}}
+  described = {}
+  for path, x in leaves:
+    path, spec = _split_quantizer(path)
+    entry = _describe_leaf(x)
+    if spec is not None:
+      entry["quantizer"] = dataclasses.asdict(spec)
+    described[jax.tree_util.keystr(path)] = entry
+  return {"format": FORMAT, "leaves": described}
+
+
+def _quantizer_name(s: dict) -> str:
+  norm = {"tensor": "Tensor", "rank1": "Rank-1"}.get(s["normalization"], f"B{s['block_size']}")
+  extras = f"{s['bits']}-bit{' stochastic' if s['stochastic'] else ''}"
+  return f"{norm}/{s['mapping']} ({extras})"
 
 
 def _spec_name(d: dict) -> str:
-  if d.get("kind") != "quantized":
-    return f"{d.get('kind')} {tuple(d.get('shape', ()))} {d.get('dtype', '')}".strip()
-  s = d["spec"]
-  norm = {"tensor": "Tensor", "rank1": "Rank-1"}.get(s["normalization"], f"B{s['block_size']}")
-  extras = f"{s['bits']}-bit{' stochastic' if s['stochastic'] else ''}"
-  return f"{norm}/{s['mapping']} ({extras}) {tuple(d['shape'])} {d['dtype']}"
+  if d.get("kind") == "quantized":
+    return f"{_quantizer_name(d['spec'])} {tuple(d['shape'])} {d['dtype']}"
+  name = f"{d.get('kind')} {tuple(d.get('shape', ()))} {d.get('dtype', '')}".strip()
+  if "quantizer" in d:
+    return f"{name} (scales of {_quantizer_name(d['quantizer'])})"
+  return name
 
 
 def check_compatible(saved: dict, target) -> None:
@@ -88,6 +122,11 @@ def check_compatible(saved: dict, target) -> None:
   `describe`) stores its leaves exactly as the checkpoint described by
   ``saved`` does."""
   want = target if isinstance(target, dict) and target.get("format") == FORMAT else describe(target)
+  if isinstance(saved, dict) and saved.get("format") == "optax4bit-state/1":
+    raise CheckpointMismatchError(
+        "the checkpoint was written by optax4bit 0.1 (format 'optax4bit-state/1'), whose "
+        "arrays are named scales[i]; this version files them under their quantizer's name. "
+        "Restore it with optax4bit 0.1, or read it with orbax's own restore.")
   if not isinstance(saved, dict) or saved.get("format") != FORMAT:
     raise CheckpointMismatchError(
         f"the checkpoint has no optax4bit description (format {FORMAT!r}); it was not written "

@@ -10,6 +10,17 @@ one leaf's transfer while another leaf is being updated.
 The state keeps the inner transformation's structure (no wrapper state):
 checkpoints written with or without offload restore into each other, and
 ``optax.tree_utils`` helpers that look state fields up by name keep working.
+
+Donation. JAX 0.10 pairs a jitted function's donated inputs with its outputs
+by shape and dtype only (when ``out_shardings`` are not given), not by memory
+kind: a donated host array paired with a device output of its shape (an
+update, a new parameter) aborts the process (SIGABRT, "PjRtBuffer's memory
+kind does not match sharding's memory kind"), with no Python exception. So by
+default the state arrays that such an output can have, those shaped like a
+parameter (a 4-bit optimizer's unquantized small leaves, a float32
+optimizer's moments) and scalars (step counts), stay in device memory: any
+donation pattern is then safe. The quantized codes and scales, the bulk of a
+4-bit state, have no parameter's shape and go to host memory.
 """
 
 from __future__ import annotations
@@ -40,8 +51,21 @@ def _split_arrays(tree):
   return [leaves[i] for i in positions], rebuild
 
 
-def _fresh_to_host(tree, space):
-  """``tree`` with every array leaf copied into a buffer of its own and moved to ``space``.
+def _param_shapes(*trees) -> frozenset:
+  return frozenset(tuple(x.shape) for t in trees for x in jax.tree.leaves(t)
+                   if hasattr(x, "shape"))
+
+
+def _on_host(x, param_shapes, offload_param_shaped: bool) -> bool:
+  """Whether state array ``x`` lives in host memory (module docstring, "Donation")."""
+  if not hasattr(x, "shape") or not x.shape:
+    return False
+  return offload_param_shaped or tuple(x.shape) not in param_shapes
+
+
+def _fresh_to_host(tree, space, on_host):
+  """``tree`` with every array leaf for which ``on_host`` holds copied into a
+  buffer of its own and moved to ``space``.
 
   The new state comes out of optax4bit's kernels in place: a Pallas step writes
   the codes and scales it rewrites into its operands' buffers, and the jnp path
@@ -69,12 +93,14 @@ def _fresh_to_host(tree, space):
     return [or_zero(x) for x in arrays]
 
   arrays, rebuild = _split_arrays(tree)
-  arrays = jax.lax.platform_dependent(arrays, cpu=lambda a: a, default=fresh)
-  return rebuild([jax.device_put(x, space) for x in arrays])
+  moved = [x for x in arrays if on_host(x)]
+  moved = iter(jax.lax.platform_dependent(moved, cpu=lambda a: a, default=fresh))
+  return rebuild([jax.device_put(next(moved), space) if on_host(x) else x for x in arrays])
 
 
-def _to_host(tree, params, memory_kind: str):
-  """``tree`` (a fresh state) with every concrete array in ``memory_kind``.
+def _to_host(tree, params, memory_kind: str, on_host):
+  """``tree`` (a fresh state) with every concrete array for which ``on_host``
+  holds in ``memory_kind``.
 
   Each array keeps its sharding. An uncommitted array (optax creates ``count``
   with ``jnp.zeros([])``) would be committed to one device by the move, which
@@ -85,7 +111,7 @@ def _to_host(tree, params, memory_kind: str):
             if isinstance(getattr(x, "sharding", None), NamedSharding)]
 
   def put(x):
-    if not isinstance(x, jax.Array):
+    if not isinstance(x, jax.Array) or not on_host(x):
       return x
     if isinstance(x, jax.core.Tracer):  # init under jit: no concrete sharding yet
       return jax.device_put(x, MEMORY_KINDS[memory_kind])
@@ -97,11 +123,13 @@ def _to_host(tree, params, memory_kind: str):
   return jax.tree.map(put, tree)
 
 
-def offload_state(tx: optax.GradientTransformation,
-                  memory_kind: str = "pinned_host") -> optax.GradientTransformation:
+def offload_state(tx: optax.GradientTransformation, memory_kind: str = "pinned_host", *,
+                  offload_param_shaped: bool = False) -> optax.GradientTransformation:
   """Keeps the optimizer state of ``tx`` in host memory between steps.
 
-  ``init`` returns ``tx``'s state with every array in ``memory_kind``; inside
+  ``init`` returns ``tx``'s state with its arrays in ``memory_kind``, except
+  scalars and, unless ``offload_param_shaped``, arrays shaped like a
+  parameter (see "Donation" below); inside
   ``update`` the state is copied to device memory one leaf at a time, ``tx``
   updates it and the new state is copied back, so a jitted step that donates
   the state returns it in host memory again. The arithmetic is ``tx``'s, so
@@ -122,11 +150,15 @@ def offload_state(tx: optax.GradientTransformation,
   array keeps its sharding, only its memory kind changes) and with
   ``flax.nnx.Optimizer``.
 
-  When a jitted step donates the state, donate the params too and return both
-  in the order they come in (``step(params, state, ...) -> (params, state)``):
-  JAX 0.10.2 pairs donated inputs with outputs by shape and dtype, not memory
-  kind, so a donated host array left without its own output can be paired with
-  a device output of the same shape (an update) and the run aborts.
+  Donation: any pattern is safe by default (``jax.jit(tx.update,
+  donate_argnums=(1,))`` included). JAX 0.10 pairs donated inputs with
+  outputs by shape and dtype, not memory kind, so a donated host array of a
+  parameter's shape could be handed to a device output (an update) and the
+  process would abort; such arrays therefore stay in device memory. With
+  ``offload_param_shaped=True`` they go to host memory too (a float32
+  optimizer's moments): then a jitted step that donates the state must donate
+  the params too and return both in the order they come in (``step(params,
+  state, ...) -> (params, state)``), or JAX 0.10 aborts the process.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax4bit
@@ -135,6 +167,8 @@ def offload_state(tx: optax.GradientTransformation,
     >>> state = tx.init(params)
     >>> state[0].mu["w"].codes.sharding.memory_kind
     'pinned_host'
+    >>> state[0].count.sharding.memory_kind  # scalars stay on the device
+    'device'
     >>> @jax.jit
     ... def step(params, state, grads):
     ...   updates, state = tx.update(grads, state, params)
@@ -146,6 +180,8 @@ def offload_state(tx: optax.GradientTransformation,
   Args:
     tx: the transformation whose state to keep in host memory.
     memory_kind: where the state lives between steps; ``"pinned_host"``.
+    offload_param_shaped: also move state arrays shaped like a parameter to
+      host memory (then donate the params with the state, see above).
 
   Returns:
     A transformation with ``tx``'s updates and state structure.
@@ -160,7 +196,9 @@ def offload_state(tx: optax.GradientTransformation,
   host = MEMORY_KINDS[memory_kind]
 
   def init_fn(params):
-    return _to_host(tx.init(params), params, memory_kind)
+    shapes = _param_shapes(params)
+    return _to_host(tx.init(params), params, memory_kind,
+                    lambda x: _on_host(x, shapes, offload_param_shaped))
 
   def update_fn(updates, state, params=None, **extra_args):
     # The state's copies to the device wait for the gradients. Otherwise JAX
@@ -171,7 +209,9 @@ def offload_state(tx: optax.GradientTransformation,
     arrays, rebuild = _split_arrays(state)
     arrays, updates = jax.lax.optimization_barrier((arrays, updates))
     state = rebuild([jax.device_put(x, jax.memory.Space.Device) for x in arrays])
+    shapes = _param_shapes(updates, params)
     updates, state = tx.update(updates, state, params, **extra_args)
-    return updates, _fresh_to_host(state, host)
+    return updates, _fresh_to_host(state, host,
+                                   lambda x: _on_host(x, shapes, offload_param_shaped))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

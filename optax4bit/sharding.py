@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from optax4bit import _order
 from optax4bit.quant import array as qarray
 from optax4bit.quant import normalize
 from optax4bit.quant.array import QuantizedArray
@@ -328,7 +329,6 @@ def hoist_partial(fn: Callable):
 
 _SHARD_ORIGIN = contextvars.ContextVar("optax4bit_shard_origin", default=None)
 
-
 def shard_origin() -> Optional[tuple]:
   """``(global_shape, origin)`` while `per_shard` traces a shard's update:
   the global leaf's shape and the global index, per axis, of the shard's
@@ -433,10 +433,12 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
     return tuple((m.codes, m.scales) if isinstance(m, QuantizedArray) else m
                  for m in local_moments)
 
-  def body(g, raw_moments, side_local, keys_local, consts_local):
+  ordering = _order.request()
+
+  def run(g, raw_moments, side_local, keys_local, consts_local):
     update, new = as_shard(lambda reduce: local_update(
         g, moments_of(raw_moments, local_shape), side_local, keys_local, reduce, consts_local))
-    return update, to_raw(new)
+    return update, to_raw(new), new
 
   def matched(x, s):
     if _is_tracer(x) and _is_explicit(sharding):
@@ -450,9 +452,10 @@ def per_shard(local_update: Callable, sharding: NamedSharding, grad, moments: tu
   # check_vma=False: the single-device engine carries old and new statistics
   # in one loop carry, which varying-axis typing would reject; the out_specs
   # hold by construction (statistics are reduced with pmax before they leave).
-  update, new_raw = jax.shard_map(
-      body, mesh=mesh, in_specs=arg_specs, out_specs=(spec, raw_specs), check_vma=False)(*args)
-  return update, moments_of(new_raw, shape)
+  update, new_raw, *zero = jax.shard_map(
+      _order.with_local_zero(run, ordering), mesh=mesh, in_specs=arg_specs,
+      out_specs=(spec, raw_specs, *_order.zero_specs(ordering)), check_vma=False)(*args)
+  return update, moments_of(_order.collect(ordering, new_raw, zero), shape)
 
 
 # ----------------------------------------------------------------------------

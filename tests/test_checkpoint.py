@@ -163,3 +163,67 @@ def test_killed_save_restores_previous_step(tmp_path):
   assert len(leaves) == len(expected.files)
   for path, x in leaves:
     np.testing.assert_array_equal(np.asarray(x), expected[jax.tree_util.keystr(path)])
+
+
+# ----------------------------------------------------------------------------
+# Flax NNX (issue 37): ``nnx.state`` splits each QuantizedArray into plain
+# codes/scales leaves; the quantizer must still be checked on restore.
+
+
+def _nnx_optimizer(tx):
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(256, 256, rngs=rngs)
+
+  model = Model(nnx.Rngs(0))
+  return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("split", ["state", "split"])
+def test_nnx_state_restore_refuses_other_quantizers(tmp_path, split):
+  nnx = pytest.importorskip("flax.nnx")
+  take = (lambda o: nnx.state(o)) if split == "state" else (lambda o: nnx.split(o)[1])
+  model, opt = _nnx_optimizer(optax4bit.adamw_4bit(1e-3))
+  opt.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+  saved = take(opt)
+  with ocp.CheckpointManager(tmp_path) as manager:
+    checkpoint.save(manager, 1, saved)
+    manager.wait_until_finished()
+    # Another recipe: the same array shapes, other maps (B128/DE, Rank-1/Linear).
+    _, other = _nnx_optimizer(optax4bit.adamw_4bit(1e-3, recipe="paper"))
+    abstract_other = nnx.state(nnx.eval_shape(
+        lambda: _nnx_optimizer(optax4bit.adamw_4bit(1e-3, recipe="paper"))[1]))
+    for target in (take(other), abstract_other):
+      with pytest.raises(checkpoint.CheckpointMismatchError) as error:
+        checkpoint.restore(manager, target)
+      message = str(error.value)
+      assert "['mu']['dense']['kernel']['scales'][0]" in message
+      assert "B128/NF" in message and "B128/DE" in message
+      assert "['nu']['dense']['kernel']['scales'][1]" in message
+      assert "Rank-1/SqrtDE-0" in message and "Rank-1/Linear" in message
+    # The same optimizer restores bit for bit, and training goes on from it.
+    _, fresh = _nnx_optimizer(optax4bit.adamw_4bit(1e-3))
+    restored = checkpoint.restore(manager, take(fresh))
+  nnx.update(fresh, restored)
+  for a, b in zip(jax.tree.leaves(nnx.state(fresh)), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  mu = fresh.opt_state[0].mu["dense"]["kernel"]
+  assert isinstance(mu, optax4bit.QuantizedArray) and mu.spec.mapping == "NF"
+
+
+def test_quantizer_key_round_trips():
+  from optax4bit.quant import array as qarray  # pylint: disable=import-outside-toplevel
+  for name in ("B128/NF", "B2048/DE", "Rank-1/SqrtDE-0", "Tensor/Linear", "Rank-1/DE-0"):
+    for stochastic in (False, True):
+      spec = optax4bit.QuantSpec.parse(name, stochastic=stochastic)
+      assert qarray.spec_of_key(qarray.quantizer_key(spec)) == spec
+  assert qarray.spec_of_key("codes") is None and qarray.spec_of_key(0) is None
+
+
+def test_format_1_checkpoints_get_a_clear_error():
+  saved = checkpoint.describe(_state(optax4bit.adamw_4bit(1e-3)))
+  saved["format"] = "optax4bit-state/1"
+  with pytest.raises(checkpoint.CheckpointMismatchError, match="optax4bit 0.1"):
+    checkpoint.check_compatible(saved, _state(optax4bit.adamw_4bit(1e-3)))

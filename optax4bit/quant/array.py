@@ -67,8 +67,54 @@ class QuantizedArray:
             f"dtype={np.dtype(self.dtype).name})")
 
 
-jax.tree_util.register_dataclass(
-    QuantizedArray, data_fields=["codes", "scales"], meta_fields=["spec", "shape", "dtype"])
+def quantizer_key(spec: QuantSpec) -> str:
+  """The key under which a `QuantizedArray` files its scales, naming its
+  quantizer: ``"B128_NF_4bit_signed_stochastic"`` for ``B128/NF (4-bit,
+  signed, stochastic)``. Without ``/`` or ``.``, so orbax can use it in array
+  names."""
+  norm, mapping = spec.name.split("/")
+  parts = [norm, mapping, f"{spec.bits}bit", "signed" if spec.signed else "unsigned"]
+  return "_".join(parts + (["stochastic"] if spec.stochastic else []))
+
+
+def spec_of_key(key) -> Optional[QuantSpec]:
+  """The `QuantSpec` that `quantizer_key` names, or None if ``key`` is not
+  such a key."""
+  parts = key.split("_") if isinstance(key, str) else []
+  if len(parts) not in (4, 5) or not parts[2].endswith("bit") or not parts[2][:-3].isdigit():
+    return None
+  try:
+    spec = QuantSpec.parse(f"{parts[0]}/{parts[1]}", bits=int(parts[2][:-3]),
+                           signed=parts[3] == "signed", stochastic=len(parts) == 5)
+  except ValueError:
+    return None
+  return spec if quantizer_key(spec) == key else None
+
+
+# The quantizer is static aux data, which transformations that keep only a
+# tree's keys and leaves drop (``flax.nnx.state`` splits a QuantizedArray into
+# plain ``codes`` and ``scales`` leaves). The scales are therefore filed under
+# a key that names the quantizer (``.scales['B128_NF_4bit_signed'][0]``), so
+# every such tree still says how its codes decode (`optax4bit.checkpoint`).
+def _children(q: QuantizedArray) -> tuple:
+  return q.codes, {quantizer_key(q.spec): q.scales}
+
+
+def _flatten_with_keys(q: QuantizedArray):
+  codes, scales = _children(q)
+  return (((jax.tree_util.GetAttrKey("codes"), codes),
+           (jax.tree_util.GetAttrKey("scales"), scales)), (q.spec, q.shape, q.dtype))
+
+
+def _unflatten(aux: tuple, children) -> QuantizedArray:
+  codes, scales = children
+  (scales,) = scales.values()
+  return QuantizedArray(codes, scales, *aux)
+
+
+jax.tree_util.register_pytree_with_keys(
+    QuantizedArray, _flatten_with_keys, _unflatten,
+    flatten_func=lambda q: (_children(q), (q.spec, q.shape, q.dtype)))
 
 
 def is_quantized(x) -> bool:
