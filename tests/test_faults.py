@@ -169,6 +169,21 @@ def test_implementations_agree_many(name, tree):
   _implementations_agree(name, *tree, pallas=True)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 37, open: on a bfloat16 leaf the jnp engine's second-moment block "
+    "scales after the second step differ by 1 ulp from the C++ kernel's and "
+    "the Pallas kernels' (which agree with each other); cause not yet found"))
+def test_implementations_agree_bfloat16_vector():
+  """The falsifying example of ``test_implementations_agree_many[adamw_4bit]``
+  (derandomized ``-m slow`` run, 2026-11-27): one (300,) bfloat16 leaf,
+  ``trees()``'s draw with seed 785, exponent 1 and a finite gradient."""
+  rng = np.random.default_rng(785)
+  p = rng.standard_normal((300,)).astype(np.float32)
+  g = (rng.standard_normal((300,)) * 10.0).astype(np.float32)
+  _implementations_agree("adamw_4bit", {"leaf0": jnp.asarray(p, jnp.bfloat16)},
+                         {"leaf0": jnp.asarray(g, jnp.bfloat16)}, pallas=False)
+
+
 def _finite(tree):
   return [np.isfinite(x) for x in jax.tree.leaves(tree)]
 
