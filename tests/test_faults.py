@@ -169,6 +169,23 @@ def test_implementations_agree_many(name, tree):
   _implementations_agree(name, *tree, pallas=True)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 37, open: with bfloat16 gradients, the block scales of both moments "
+    "after the second step differ by 1 ulp between the jnp engine and the C++ "
+    "and Pallas kernels (which agree with each other; with the same gradients "
+    "in float32 all agree); cause not yet found"))
+def test_implementations_agree_bfloat16_vector():
+  """The shrunk falsifying example of
+  ``test_implementations_agree_many[adamw_4bit]`` (derandomized ``-m slow``
+  run, 2026-11-27): one (300,) bfloat16 leaf, ``trees()``'s draw with seed 0,
+  exponent 1 and a finite gradient."""
+  rng = np.random.default_rng(0)
+  p = rng.standard_normal((300,)).astype(np.float32)
+  g = (rng.standard_normal((300,)) * 10.0).astype(np.float32)
+  _implementations_agree("adamw_4bit", {"leaf0": jnp.asarray(p, jnp.bfloat16)},
+                         {"leaf0": jnp.asarray(g, jnp.bfloat16)}, pallas=False)
+
+
 def _finite(tree):
   return [np.isfinite(x) for x in jax.tree.leaves(tree)]
 
