@@ -209,8 +209,11 @@ def test_kernel_matches_jnp(nesterov):
 def test_kernel_bf16_grads_and_auto_dispatch():
   params = {"w": jnp.ones((128, 256), jnp.bfloat16)}
   grads = {"w": (0.01 * jax.random.normal(jax.random.PRNGKey(0), (128, 256))).astype(jnp.bfloat16)}
-  ref = optax4bit.adamw_4bit(1e-3, min_quantize_size=0, implementation="jnp")
-  auto = optax4bit.adamw_4bit(1e-3, min_quantize_size=0)
+  # param_rounding="nearest": the kernel's own bfloat16 update, not the appended rounding's
+  # float32 one (tests/test_param_rounding.py covers that).
+  ref = optax4bit.adamw_4bit(1e-3, min_quantize_size=0, implementation="jnp",
+                             param_rounding="nearest")
+  auto = optax4bit.adamw_4bit(1e-3, min_quantize_size=0, param_rounding="nearest")
   u_ref, s_ref = jax.jit(ref.update)(grads, ref.init(params), params)
   u_auto, s_auto = jax.jit(auto.update)(grads, auto.init(params), params)
   assert u_auto["w"].dtype == jnp.bfloat16
@@ -350,7 +353,8 @@ def test_kernel_bitwise_bf16_and_chunked(recipe):
   params = {"w": 0.02 * jax.random.normal(jax.random.PRNGKey(0), (1024, 1024)),
             "h": (0.02 * jax.random.normal(jax.random.PRNGKey(1), (96, 512))).astype(jnp.bfloat16)}
   txs = [optax4bit.adamw_4bit(1e-3, min_quantize_size=0, recipe=recipe, chunk_size=1 << 16,
-                              implementation=impl) for impl in ("jnp", "cpu")]
+                              implementation=impl, param_rounding="nearest")
+         for impl in ("jnp", "cpu")]
   for _, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
       txs, params, (_mixed_grads(params, step) for step in range(3))):
     assert u_cpu["h"].dtype == jnp.bfloat16
@@ -622,7 +626,8 @@ def test_first_moment_kernels_bitwise_bf16_and_chunked(optimizer):
   params = {"w": 0.02 * jax.random.normal(jax.random.PRNGKey(0), (1024, 512)),
             "h": (0.02 * jax.random.normal(jax.random.PRNGKey(1), (96, 512))).astype(jnp.bfloat16)}
   txs = [getattr(optax4bit, optimizer)(1e-3, min_quantize_size=0, chunk_size=1 << 16,
-                                       implementation=impl) for impl in ("jnp", "cpu")]
+                                       implementation=impl, param_rounding="nearest")
+         for impl in ("jnp", "cpu")]
   for name, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
       txs, params, (_mixed_grads(params, step) for step in range(2))):
     assert u_cpu["h"].dtype == jnp.bfloat16
