@@ -236,7 +236,11 @@ def test_multisteps():
 
 def test_apply_if_finite_nan_step_leaves_state_bit_identical():
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
-  tx = optax.apply_if_finite(optax4bit.adamw_4bit(LR, min_quantize_size=0), max_consecutive_errors=3)
+  # param_rounding="nearest": apply_if_finite's rejected step returns zeros of the gradients'
+  # dtype, which must match the inner updates' (docs/bfloat16.md: put the stochastic
+  # rounding after the wrapper; test_apply_if_finite_with_param_rounding_after_it).
+  tx = optax.apply_if_finite(optax4bit.adamw_4bit(LR, min_quantize_size=0, param_rounding="nearest"),
+                             max_consecutive_errors=3)
   update = jax.jit(tx.update)
   state = tx.init(params)
   _, state = update(grads_at(0, params), state, params)
@@ -252,6 +256,28 @@ def test_apply_if_finite_nan_step_leaves_state_bit_identical():
   updates, newer = update(grads_at(1, params), new_state, params)
   assert int(newer.notfinite_count) == 0
   assert int(newer.inner_state[0].count) == 2
+
+
+def test_apply_if_finite_with_param_rounding_after_it():
+  """bfloat16 params, a NaN step skipped, then a finite one: the chain docs/bfloat16.md shows."""
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
+  tx = optax.chain(
+      optax.apply_if_finite(optax4bit.adamw_4bit(LR, min_quantize_size=0, param_rounding="nearest"),
+                            max_consecutive_errors=3),
+      optax4bit.round_params_stochastically())
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  bad = grads_at(1, params)
+  bad["w"] = bad["w"].at[3, 5].set(jnp.nan)
+  updates, state = update(bad, state, params)
+  assert int(state[0].notfinite_count) == 1
+  assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(updates))
+  updates, state = update(grads_at(1, params), state, params)
+  new_params = optax.apply_updates(params, updates)
+  assert int(state[0].notfinite_count) == 0
+  for p, q in zip(jax.tree.leaves(params), jax.tree.leaves(new_params)):
+    assert q.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(q)))
+  assert any(bool(jnp.any(p != q)) for p, q in zip(jax.tree.leaves(params), jax.tree.leaves(new_params)))
 
 
 # ----------------------------------------------------------------------------

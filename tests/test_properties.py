@@ -73,7 +73,11 @@ def test_finite_gradients_keep_everything_finite(name, shape, dtype, exponents, 
       scale = min(scale, np.float32(1e18))
     grads = {"p": (scale * jax.random.normal(jax.random.fold_in(key, step), shape)).astype(dtype)}
     updates, state = update(grads, state, params)
-    assert updates["p"].dtype == dtype and updates["p"].shape == shape
+    # bfloat16 params: the aliases' stochastic param rounding returns float32 updates that
+    # land exactly on bfloat16 values (tests/test_param_rounding.py); quantize_state appends none.
+    rounds = dtype == jnp.bfloat16 and not name.startswith("quantize_state")
+    assert updates["p"].dtype == (jnp.float32 if rounds else dtype)
+    assert updates["p"].shape == shape
     assert np.all(np.isfinite(np.asarray(updates["p"], np.float32))), (name, step, exponent)
     assert _signature(state) == signature
     for value in _state_values(state):

@@ -5,6 +5,7 @@ as before the default changed, and the quality targets of the default."""
 import fractions
 import json
 import os
+import re
 import sys
 
 import hypothesis
@@ -239,6 +240,9 @@ def test_paper_and_torchao_recipes_unchanged(name):
   # differently, so on a GPU machine the check still runs on its CPU.
   with on_the_cpu():
     got = paper_recipe_golden.run(name, "jnp")
+  # Since the checkpoint format optax4bit-state/2 a quantized moment's scales are keyed by
+  # its quantizer (`.scales['B128_DE_4bit_signed'][0]`); the golden run predates that key.
+  got = {re.sub(r"\.scales\['[^']*'\]", ".scales", k): v for k, v in got.items()}
   assert got.keys() == golden.keys()
   changed = sorted(k for k in golden if k not in floats
                    and paper_recipe_golden.digest(got[k]) != golden[k])
