@@ -1,8 +1,8 @@
 """The notebooks in notebooks/: clean nbformat v4 files that run top to bottom.
 
 They are executed with nbclient in a fresh kernel with ``OPTAX4BIT_NB_SMALL=1``
-(tiny sizes). The quickstart runs in the default test run; the other two take
-longer and are marked ``slow``.
+(tiny sizes), all three in the default test run (about 30 s for the two besides the
+quickstart on the 2-core CI machine).
 """
 
 from __future__ import annotations
@@ -114,13 +114,11 @@ def test_quickstart_runs(monkeypatch):
   assert "QuantizedArray(B128/NF" in text
 
 
-@pytest.mark.slow
 def test_memory_and_speed_runs(monkeypatch):
   text = _text(_execute("memory_and_speed.ipynb", monkeypatch))
   assert "LLaMA-7B shapes" in text and "ms/step" in text
 
 
-@pytest.mark.slow
 def test_diagnostics_notebook_runs(monkeypatch):
   text = _text(_execute("diagnostics.ipynb", monkeypatch))
   assert "% of non-zero v decoded to 0" in text and "max / sum" in text
