@@ -53,9 +53,9 @@ coefficients) and draws, for the element at row ``r`` and column ``c`` of the
 ``(R, D)`` view, the hashed uniform of flat index ``r * D + c`` (modulo
 2**32; for a shard, ``base[r] + c`` with the row's index in the whole leaf as
 an input), exactly `optax4bit.quant.maps.hashed_uniform`'s draw for that
-element, whatever the tiling. On the GPU, divisions and square roots use
-correctly rounded PTX (``div.rn.f32``, ``sqrt.rn.f32``; Triton's own ``/`` is
-the approximate ``div.full.f32``). Where the tiles cover the leaf exactly
+element, whatever the tiling. On the GPU, what decides a code reproduces the
+correctly rounded division exactly, and the update's division and square root
+are approximate (`_math.KernelMath`). Where the tiles cover the leaf exactly
 (`Geometry.exact`), the kernels carry no masks.
 
 The two passes are `_stats_kernel` and `_step_kernel`, over the refs of
@@ -493,9 +493,11 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     inputs += tables(read, False)
     # Larger tiles than the step's where they cover the leaf exactly: this pass
     # holds few values per element (no encoder), and more elements per thread
-    # share the index arithmetic (with masks, ptxas runs out of registers).
+    # share the index arithmetic. With masks (ragged leaves) ptxas runs out of
+    # registers above the default tile.
     stats_geo = geometry(shape, specs, tile_bytes * STATS_TILE_FACTOR, segment=geo.seg)
-    stats_geo = stats_geo if stats_geo.exact else geo
+    if not stats_geo.exact:
+      stats_geo = geometry(shape, specs, min(tile_bytes, DEFAULT_TILE_BYTES), segment=geo.seg)
     out_shapes = []
     for k in deferred:
       out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.num_segs), jnp.float32))

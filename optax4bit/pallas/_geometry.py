@@ -13,18 +13,19 @@ from optax4bit.quant.packing import packed_length
 from optax4bit.quant.spec import QuantSpec
 
 # Bytes of codes per tile (each byte is two elements) and warps per program:
-# 1024 bytes = 2048 elements over 8 warps, 8 elements per thread. Chosen by
-# ptxas -v (benchmarks/gpu_compile.py): with 32 per thread (2048 bytes, 4
-# warps) the fused steps need up to 255 registers; with 8, at most 112 (>= 25%
-# occupancy on sm_80/sm_90a). 4 per thread would leave many kernels at 64
+# 1024 bytes = 2048 elements over 8 warps, 8 elements per thread, for the
+# quantizers; the fused steps run on twice that (`optax4bit.pallas.steps`).
+# Chosen by ptxas -v (benchmarks/gpu_compile.py): with 32 per thread the fused
+# steps need up to 255 registers; with 16, at most 128 (>= 25% occupancy on
+# sm_80/sm_90a) and no spill. 4 per thread would leave many kernels at 64
 # registers, where ptxas starts to spill. Tunable with `PallasConfig`.
 DEFAULT_TILE_BYTES = 1024
 # The stats pass (partial maxima of rank-1/tensor moments) tiles by this many
 # times the step's bytes where those tiles cover the leaf exactly: it holds no
-# encoder's values, so it has registers to spare (63 on sm_90a), and more
-# elements per thread share the index arithmetic and the column reductions.
-# With masks (ragged leaves) the same tiles need 115-128 registers, and 2x
-# spills at ptxas's 64-register target: those keep the step's tiles.
+# encoder's values, so it has registers to spare (at most 128 at the steps'
+# 2048 bytes), and more elements per thread share the index arithmetic and
+# the column reductions. With masks (ragged leaves) larger tiles than the
+# default spill at ptxas's 64-register target: those use the default tile.
 STATS_TILE_FACTOR = 4
 # Segment width (bytes) when no moment is block-wise local.
 DEFAULT_SEGMENT_BYTES = 64

@@ -90,13 +90,14 @@ class PallasConfig:
     return _engine.Options(self.interpret, self.tile_bytes, self.num_warps)
 
 
-# Code bytes per program of the fused steps where `PallasConfig.tile_bytes` is
-# None: the momentum steps carry one moment and no square root or division, so
-# twice the default tile (16 elements per thread) stays at 64 registers on
-# sm_90a, and fewer programs share the index arithmetic (benchmarks/
-# gpu_compile.py: 71 -> 64 SASS instructions per parameter).
-_TILE_BYTES = {"momentum": 2 * _geometry.DEFAULT_TILE_BYTES,
-               "momentum_nesterov": 2 * _geometry.DEFAULT_TILE_BYTES}
+# Code bytes per program of every fused step where `PallasConfig.tile_bytes`
+# is None: twice the quantizers' tile (16 elements per thread), so that fewer programs
+# share the index arithmetic. The momentum steps carry one moment and stay at
+# 64 registers on sm_90a (benchmarks/gpu_compile.py: 71 -> 64 SASS
+# instructions per parameter); the Adam steps, with the update's approximate
+# division and square root, fit in 128 registers without a spill (default
+# recipe 142 -> 125 per parameter).
+_STEP_TILE_BYTES = 2 * _geometry.DEFAULT_TILE_BYTES
 
 
 def _on_cuda() -> bool:
@@ -222,8 +223,7 @@ class PallasSteps:
     shape = tuple(grad.shape)
     options = self.options
     if options.tile_bytes is None:
-      options = dataclasses.replace(options, tile_bytes=_TILE_BYTES.get(
-          kind, _geometry.DEFAULT_TILE_BYTES))
+      options = dataclasses.replace(options, tile_bytes=_STEP_TILE_BYTES)
     if not _covers(shape, moments, options):
       return None
     return _sharding.run_fused(
