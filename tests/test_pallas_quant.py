@@ -122,8 +122,8 @@ def test_quantize_stochastic_multi_row_tiles_and_edge_values():
 
 
 def _gather_pair(table, index):
-  pair = jnp.asarray(table)[index]
-  return pair[..., 0], pair[..., 1]
+  row = jnp.asarray(table)[index]
+  return tuple(row[..., k] for k in range(row.shape[-1]))
 
 
 _TABLES = [("NF", True), ("DE", True), ("DE", False), ("DE-0", False), ("SqrtDE-0", False),
@@ -166,9 +166,12 @@ def test_bucket_lookup_counts_exactly_as_the_reference_search(mapping, signed):
 def test_stochastic_rounding_gaps_suit_the_unchecked_division(mapping, signed):
   """`KernelMath.probability` divides by these gaps with the fast path of
   ``div.rn.f32`` only: they must be normal numbers at most 1, 0 or inf."""
-  value, gap = _codebook.entry_gaps(as_spec(f"B128/{mapping}", signed=signed)).T
+  value, gap, reciprocal = _codebook.entry_gaps(as_spec(f"B128/{mapping}", signed=signed)).T
   np.testing.assert_array_equal(value, optax4bit.qmap(mapping, 4, signed))
-  assert gap[-1] == np.inf
+  assert gap[-1] == np.inf and reciprocal[-1] == 0
+  for g, r in zip(gap[:-1], reciprocal[:-1]):
+    if g != 0:
+      assert r == _round32(1 / fractions.Fraction(float(g))), (g, r)
   finite = gap[:-1]
   assert np.all((finite == 0) | ((finite >= np.finfo(np.float32).tiny) & (finite <= 1)))
 
@@ -187,21 +190,23 @@ def _fma32(a, b, c) -> np.float32:
   return _round32(frac(a) * frac(b) + frac(c))
 
 
-def test_division_fast_path_is_correctly_rounded_for_stochastic_rounding():
-  """`KernelMath.probability`'s PTX, emulated with exact fused multiply-adds
-  (and a correctly rounded reciprocal for the hardware's approximate one):
-  the quotient of ``div.rn`` for every gap of the default recipe's map and
-  differences down to 2**-40 of it, so the decisions ``u < d / gap`` are too."""
+def test_division_by_reciprocal_is_correctly_rounded_for_stochastic_rounding():
+  """`KernelMath.probability`'s PTX, emulated with exact fused multiply-adds:
+  the quotient of ``div.rn`` for every gap of every 4-bit map and
+  differences ``d`` spread over ``[0, gap]`` and down to 2**-40 of it, so
+  the decisions ``u < d / gap`` are too."""
   rng = np.random.RandomState(3)
-  gaps = _codebook.entry_gaps(as_spec("B128/NF", signed=True))[:-1, 1]
-  for gap in gaps:
-    ds = gap * np.concatenate([rng.uniform(0, 1, 24), 2.0 ** -rng.uniform(0, 40, 8), [1.0]])
-    for d in ds.astype(np.float32):
-      r = _round32(1 / fractions.Fraction(float(gap)))
-      r = _fma32(r, _fma32(-gap, r, 1), r)
-      q = _fma32(d, r, 0)
-      q = _fma32(r, _fma32(-gap, q, d), q)
-      assert q == _round32(fractions.Fraction(float(d)) / fractions.Fraction(float(gap))), (d, gap)
+  for mapping, signed in _TABLES:
+    _, gaps, reciprocals = _codebook.entry_gaps(as_spec(f"B128/{mapping}", signed=signed))[:-1].T
+    for gap, r in zip(gaps, reciprocals):
+      if gap == 0:
+        continue
+      ds = gap * np.concatenate([rng.uniform(0, 1, 48), 2.0 ** -rng.uniform(0, 40, 16), [1.0]])
+      for d in ds.astype(np.float32):
+        q = _fma32(d, r, 0)
+        q = _fma32(r, _fma32(-gap, q, d), q)
+        assert q == _round32(fractions.Fraction(float(d)) / fractions.Fraction(float(gap))), (
+            mapping, d, gap)
 
 
 def test_kernel_encoders_match_maps():

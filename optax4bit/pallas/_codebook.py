@@ -16,9 +16,11 @@ address and one load. Three kinds of table, each exact:
   is ``base + (x > threshold)`` (``>=`` for inclusive counts): the same
   comparison with the same float32 threshold as the reference's search, so
   flushing of subnormals (XLA's CPU backend) changes both alike.
-* ``entry_gaps``: ``(16, 2)`` float32, each entry and the distance to the
+* ``entry_gaps``: ``(16, 3)`` float32, each entry, the distance to the
   next one (``inf`` after the last, where stochastic rounding's probability
-  is then 0).
+  is then 0) and that distance's correctly rounded reciprocal (0 for
+  ``inf``), from which the kernels finish the division ``d / gap`` in two
+  fused multiply-adds.
 """
 
 from __future__ import annotations
@@ -50,15 +52,18 @@ def decode_pairs(spec: QuantSpec) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def _entry_gaps(mapping: str, signed: bool) -> np.ndarray:
   table = maps.qmap(mapping, 4, signed)
-  gaps = np.append(np.diff(table), np.float32(np.inf))
+  gaps = np.append(np.diff(table), np.float32(np.inf)).astype(np.float32)
   # `_math.KernelMath.probability` divides by these without a range check.
   finite = gaps[np.isfinite(gaps) & (gaps != 0)]
   assert np.all((finite >= np.finfo(np.float32).tiny) & (finite <= 1)), (mapping, gaps)
-  return np.stack([table, gaps], axis=1).astype(np.float32)
+  with np.errstate(divide="ignore"):
+    reciprocals = np.float32(1) / gaps  # IEEE float32 division: correctly rounded
+  return np.stack([table, gaps, reciprocals], axis=1).astype(np.float32)
 
 
 def entry_gaps(spec: QuantSpec) -> np.ndarray:
-  """``(16, 2)`` float32: each table entry and the gap to the next one."""
+  """``(16, 3)`` float32: each table entry, the gap to the next one and the
+  gap's correctly rounded reciprocal."""
   return _entry_gaps(spec.mapping, spec.signed)
 
 

@@ -122,10 +122,11 @@ def _store(ref, index, value, mask=None):
 
 
 def _gather_pair(table, index):
-  """Row ``index`` of a two-column table, stored transposed (``(2, N)``,
-  `_table_operand`): the second load is at a constant offset from the first
-  (a tile-shaped ``(..., 2)`` load would need a change of layout both ways)."""
-  return tuple(_load(table, (np.int32(k), index)) for k in range(2))
+  """Row ``index`` of a small table, stored transposed (``(columns, N)``,
+  `_table_operand`): each column's load is at a constant offset from the
+  first (a tile-shaped ``(..., columns)`` load would need a change of layout
+  both ways)."""
+  return tuple(_load(table, (np.int32(k), index)) for k in range(table.shape[0]))
 
 
 def _table_operand(table: np.ndarray) -> jax.Array:

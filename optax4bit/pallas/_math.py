@@ -25,16 +25,16 @@ from optax4bit.pallas._codebook import BucketTable
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.spec import QuantSpec
 
-# gather_pair(table, index) -> (first column, second column) at ``index``.
+# gather_pair(table, index) -> every column of a small table at ``index``.
 GatherPair = Callable
 
 
 class KernelMath:
   """Division and square root of the kernels.
 
-  The update's (`div`, `sqrt`) are approximate on the GPU: Triton's ``/``
-  (``div.full.f32``, at most 2 ulps off over the whole range) and
-  ``sqrt.approx.f32`` (relative error at most ``2**-23``), a few
+  The update's (`div`, `sqrt`) are approximate on the GPU: a reciprocal
+  (``rcp.approx``) times the dividend, at most 2 ulps off for divisors above
+  ``2**-126``, and ``sqrt.approx`` (relative error about ``2**-23``), a few
   instructions each where the correctly rounded ones cost about 25 per
   element with their out-of-line slow paths. The update feeds no state, so
   it stays within the 4 ulps (of the leaf's largest update) that the
@@ -75,17 +75,21 @@ class KernelMath:
         "fma.rn.f32 q, $1, r, 0f00000000; fma.rn.f32 e, nb, q, $1; "
         "fma.rn.f32 $0, r, e, q; }", a, b)
 
-  def probability(self, d, gap):
-    """``d / gap`` for stochastic rounding's decision ``u < d / gap``, by
-    `_div_fast_path`. Where ``div.rn.f32`` would leave its fast path for the
-    operands this sees (``gap`` a positive normal at most 1, ``inf`` or 0;
-    ``d <= gap`` finite or infinite), the decision against a draw ``u = k /
-    2**24`` is the same: a quotient below the normal range is positive exactly
-    when ``d > 0`` (the product ``d * (1 / gap) >= d`` cannot round to 0), and
-    an infinite or zero ``gap`` or an infinite ``d`` gives NaN or a negative
-    number where ``div.rn.f32`` gives 0, NaN or a negative number: never a
-    round-up."""
-    return self._div_fast_path(d, gap) if self.triton else d / gap
+  def probability(self, d, gap, reciprocal):
+    """``d / gap`` for stochastic rounding's decision ``u < d / gap``, given
+    ``reciprocal``, the correctly rounded ``1 / gap`` (a table column). On the
+    GPU the quotient ``q = d * reciprocal`` is corrected once by its exact
+    remainder (``fma(reciprocal, fma(-gap, q, d), q)``, the last steps of
+    ``div.rn.f32``'s fast path): the correctly rounded quotient for the
+    operands this sees (``gap`` a positive normal at most 1; tested for every
+    gap of the 4-bit maps). An infinite ``gap`` (reciprocal 0) or an infinite
+    ``d`` gives NaN or a negative number where ``div.rn.f32`` gives 0, NaN or
+    a negative number: never a round-up."""
+    if not self.triton:
+      return d / gap
+    return self._asm(
+        "{ .reg .f32 q, e, nb; neg.f32 nb, $2; mul.rn.f32 q, $1, $3; "
+        "fma.rn.f32 e, nb, q, $1; fma.rn.f32 $0, $3, e, q; }", d, gap, reciprocal)
 
   def inverse_times_4(self, s):
     """`normalize.inverse_times_4` of finite scales ``s >= 0``. On the GPU the
@@ -104,10 +108,12 @@ class KernelMath:
     return jnp.where(positive, inverse, np.float32(0))
 
   def sqrt(self, x):
-    """The square root of the update's denominator (``sqrt.approx.f32`` on
-    the GPU, see the class): subnormal inputs are kept, ``+-0`` and ``inf``
-    are their own roots, NaN and negative ``x`` give NaN."""
-    return self._asm("sqrt.approx.f32 $0, $1;", x) if self.triton else jnp.sqrt(x)
+    """The square root of the update's denominator (``sqrt.approx.ftz.f32``
+    on the GPU, see the class): ``+-0`` and ``inf`` are their own roots, NaN
+    and negative ``x`` give NaN, and a subnormal ``x`` (below ``2**-126``)
+    gives 0. Its root, below ``2**-63``, is lost in ``sqrt + eps`` anyway
+    unless ``eps`` is below about ``1e-12``."""
+    return self._asm("sqrt.approx.ftz.f32 $0, $1;", x) if self.triton else jnp.sqrt(x)
 
 
 
@@ -142,17 +148,18 @@ def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_pair: 
 
 
 def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_pair: GatherPair,
-                      probability=jnp.divide):
+                      probability=lambda d, gap, reciprocal: d / gap):
   """`maps.encode_stochastic` (int32 codes) of ``n`` (not NaN).
 
   ``lower`` is the largest entry ``<= n`` (0 below the first); the gap after
   the last entry is ``inf``, so that there, and below the first entry, the
   probability is 0, NaN or negative without the reference's clip: the same
-  codes. ``probability(d, gap)``: ``d / gap`` (`KernelMath.probability`).
+  codes. ``probability(d, gap, reciprocal)``: ``d / gap``
+  (`KernelMath.probability`); ``gaps``: `_codebook.entry_gaps`.
   """
   lower = count_below(n, bucket, table, gather_pair)
-  low_value, gap = gather_pair(gaps, lower)
-  return lower + (uniform < probability(n - low_value, gap)).astype(jnp.int32)
+  low_value, gap, reciprocal = gather_pair(gaps, lower)
+  return lower + (uniform < probability(n - low_value, gap, reciprocal)).astype(jnp.int32)
 
 
 def finite_abs(x, mask=None):
