@@ -227,6 +227,15 @@ class _Tile:
                  for c, v in zip(self.cols, self.valids))
 
   def store_halves(self, ref, halves):
+    """Writes the even and odd elements of a leaf-shaped ref: where the tile
+    has no mask, interleaved in registers and stored contiguously (vector
+    stores; loads stay per half, since their consumers' layouts differ)."""
+    if self.valid is None:
+      shape = self.row.shape + (2,)
+      index = (jnp.broadcast_to(self.row[..., None], shape),
+               self.cols[0][..., None] + _iota(shape, len(shape) - 1))
+      _store(ref, index, jnp.stack([h.astype(ref.dtype) for h in halves], axis=-1))
+      return
     for c, v, value in zip(self.cols, self.valids, halves):
       _store(ref, (self.row, c), value.astype(ref.dtype), v)
 
