@@ -274,7 +274,8 @@ class _Tile:
   def segment_max(self, halves):
     """Per (row, segment) maximum of the finite ``|x|`` of both halves."""
     absolute = [_math.finite_abs(x, v) for x, v in zip(halves, self.valids)]
-    return absolute, jnp.maximum(absolute[0].max(axis=2), absolute[1].max(axis=2))
+    # One reduction across lanes (of the halves' elementwise maximum), not two.
+    return absolute, jnp.maximum(absolute[0], absolute[1]).max(axis=2)
 
 
 def _inputs(plan: _Plan, refs: _Refs, tile: _Tile):
