@@ -10,13 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax4bit import _codecs
 from optax4bit import _leafwise
 from optax4bit import _steps
 from optax4bit import _validation
 from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn
 from optax4bit import recipes as _recipes
-from optax4bit import sharding as _sharding
+from optax4bit import _state_sharding
 from optax4bit import dispatch as _dispatch
 from optax4bit.quant import array as qarray
 from optax4bit.quant.spec import QuantSpec, SpecLike
@@ -133,9 +132,9 @@ def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=None, real: bool = Fals
     if jnp.iscomplexobj(leaf):
       store = jnp.promote_types(
           jnp.real(jnp.zeros((), leaf.dtype)).dtype if real else leaf.dtype, store)
-    return _sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, store))
+    return _state_sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, store))
   label = jnp.float32 if dtype is None else dtype
-  return _sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), label, spec))
+  return _state_sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), label, spec))
 
 
 def _zeros_factored(shape: tuple) -> FactoredMoment:
@@ -262,15 +261,16 @@ def scale_by_adam_4bit(
 
     fused = _dispatch.fused_steps(implementation)
 
-    def leaf_fn(g, m, v, k):
-      out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, nesterov, k)
+    def leaf_fn(context, g, m, v, k):
+      out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, nesterov, k,
+                                 context=context)
       if out:
         return out
-      return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk)
+      return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk, context=context)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    with _codecs.using_codecs(_dispatch.codecs(implementation)):
-      results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
+                                       codecs=_dispatch.codecs(implementation))
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -283,7 +283,7 @@ def scale_by_adam_4bit(
 # Adam with a factored second moment ("4-bit Factor").
 
 
-def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size):
+def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size, context):
   """New row/column EMAs of the means of ``g**2`` over the last two axes.
 
   Returns the gradient as threaded through the chunked reduction (see
@@ -299,7 +299,7 @@ def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size):
     # For 2-D leaves the chunks split axis -2: column sums add up over chunks.
     return ((row,), (col,)) if g.ndim == 2 else ((row, col), ())
 
-  grad, row_stats, totals = _leafwise.grad_sums(grad, sums, chunk_size)
+  grad, row_stats, totals = _leafwise.grad_sums(grad, sums, chunk_size, context=context)
   row_sum = row_stats[0]
   col_sum = totals[0] if grad.ndim == 2 else row_stats[1]
   row = b2 * old.row + (1 - b2) * (row_sum / grad.shape[-1])
@@ -387,7 +387,7 @@ def scale_by_factored_adam_4bit(
       quantized = _validation.quantizable(p, flag, min_quantize_size)
       mu.append(_zeros_moment(p, m_spec if quantized else None))
       if quantized and len(p.shape) >= 2:
-        nu.append(_sharding.follow_param(p, functools.partial(_zeros_factored, p.shape)))
+        nu.append(_state_sharding.follow_param(p, functools.partial(_zeros_factored, p.shape)))
       else:
         nu.append(_zeros_moment(p, v_spec if quantized else None, real=True))
     return ScaleByFactoredAdam4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(mu),
@@ -403,20 +403,23 @@ def scale_by_factored_adam_4bit(
 
     fused = _dispatch.fused_steps(implementation)
 
-    def leaf_fn(g, m, v, k):
+    def leaf_fn(context, g, m, v, k):
       if not isinstance(v, FactoredMoment):
-        out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, False, k)
-        return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk)
-      g, v = _factored_second_moment(g, v, b2, chunk)
+        out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, False, k,
+                                   context=context)
+        return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk,
+                                            context=context)
+      g, v = _factored_second_moment(g, v, b2, chunk, context)
       side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
-      out = fused and fused.factored(g, m, side, b1, b2, eps, eps_root, count_inc, k[:1])
+      out = fused and fused.factored(g, m, side, b1, b2, eps, eps_root, count_inc, k[:1],
+                                     context=context)
       update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
-                                                  chunk_size=chunk)
+                                                  chunk_size=chunk, context=context)
       return update, (m, v)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    with _codecs.using_codecs(_dispatch.codecs(implementation)):
-      results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
+                                       codecs=_dispatch.codecs(implementation))
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -514,13 +517,14 @@ def scale_by_momentum_4bit(
 
     fused = _dispatch.fused_steps(implementation)
 
-    def leaf_fn(g, t, k):
-      out = fused and fused.momentum(g, t, momentum, nesterov, k)
-      return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk)
+    def leaf_fn(context, g, t, k):
+      out = fused and fused.momentum(g, t, momentum, nesterov, k, context=context)
+      return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk,
+                                          context=context)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    with _codecs.using_codecs(_dispatch.codecs(implementation)):
-      results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys)
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys,
+                                       codecs=_dispatch.codecs(implementation))
     new_updates = treedef.unflatten([u for u, _ in results])
     trace = state_def.unflatten([t for _, (t,) in results])
     return new_updates, ScaleByMomentum4bitState(count_inc, trace)

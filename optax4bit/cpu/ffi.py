@@ -68,7 +68,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax4bit import sharding as _sharding
+from optax4bit._fused_leaf import run_fused
+from optax4bit._leaf_context import LeafContext, shard_position
 from optax4bit._steps import adam_coefficients, momentum_coefficients
 from optax4bit.cpu.kernel_call import kernel_call
 from optax4bit.quant import maps, normalize
@@ -290,6 +291,12 @@ def _use_isa(name: str) -> None:
     raise ValueError(f"this CPU runs the ISA paths {isas()}, not {name!r}")
 
 
+def library() -> Optional[ctypes.CDLL]:
+  """The loaded C++ library (its codecs' handlers live there too,
+  `optax4bit.cpu.codec`), or None where it is unavailable."""
+  return None if _load() is not None else _library
+
+
 def unavailable_reason() -> Optional[str]:
   """Why `available` is False (None when it is True)."""
   return _load()
@@ -417,21 +424,22 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
                                 v_linear=np.bool_(v.spec.mapping == "Linear"))
 
 
-def _row_bases(shape):
-  """Each row's flat index in the whole leaf (global on a shard), for the
-  stochastic rounding hash."""
-  shard = _sharding.shard_origin()
-  return (maps.row_hash_bases(shape) if shard is None else
-          maps.row_hash_bases(shape, shard[1], shard[0]))
+def _row_bases(shape, shard=None):
+  """Each row's flat index in the whole leaf (global on a ``shard``, an
+  `optax4bit._leaf_context.Shard`), for the stochastic rounding hash."""
+  position = shard_position(shard)
+  return (maps.row_hash_bases(shape) if position is None else
+          maps.row_hash_bases(shape, position[1], position[0]))
 
 
-def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(None, None)):
+def adam_leaf(grad, moments, coef, nesterov: bool, shard=None, keys=(None, None)):
   """One Adam step of a leaf `covers` accepts; returns ``(update, (m, v))``.
 
-  ``coef``: `_coefficients`. ``reduce_scales``: see
-  `optax4bit.sharding.per_shard` (turns a shard's rank-1 maxima into global
-  ones). ``keys``: one PRNG key (or None) per moment; a moment rounded
-  stochastically needs one (its draws are those of `maps.hashed_uniform`).
+  ``coef``: `_coefficients`. ``shard``: the `optax4bit._leaf_context.Shard`
+  run (its ``reduce_scales`` turns a shard's rank-1 maxima into global ones),
+  or None for a whole leaf. ``keys``: one PRNG key (or None) per moment; a
+  moment rounded stochastically needs one (its draws are those of
+  `maps.hashed_uniform`).
   """
   m, v = moments
   seeds = _seeds(moments, keys)
@@ -440,17 +448,17 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
   v_rows = QuantizedArray(v.codes, _rank1_row_scales(v.scales, rows), v.spec, v.shape, v.dtype)
   layout = normalize.layout_for(v.spec, v.shape)
   new_scales = _rank1_axis_maxima(*_stats_call(g, m, v_rows, coef), layout, g.shape)
-  if reduce_scales is not None:
-    new_scales = tuple(reduce_scales(new_scales, layout))
+  if shard is not None:
+    new_scales = tuple(shard.reduce_scales(new_scales, layout))
   update, m_codes, block_scales, v_codes = _apply_call(
       g, m, v_rows, _rank1_row_scales(new_scales, rows, encode=True), coef, nesterov, seeds,
-      _row_bases(g.shape))
+      _row_bases(g.shape, shard))
   new_m = QuantizedArray(m_codes, (block_scales,), m.spec, m.shape, m.dtype)
   new_v = QuantizedArray(v_codes, tuple(new_scales), v.spec, v.shape, v.dtype)
   return update.astype(grad.dtype), (new_m, new_v)
 
 
-def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=None):
+def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=None, shard=None):
   """One step of a leaf `covers_first_moment` accepts whose only quantized
   moment is the first; returns ``(update, m)``.
 
@@ -458,7 +466,8 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
   `optax4bit._steps.momentum_coefficients`) or ``"factored"`` (``coef``:
   `_coefficients`; ``side``: the ``(row, col, row_mean)`` of the factored
   second moment, see `optax4bit._steps.factored_step`). ``key``: the PRNG key
-  of a first moment rounded stochastically (else None).
+  of a first moment rounded stochastically (else None). ``shard``: as in
+  `adam_leaf` (block scales need no other shard: only its position counts).
   """
   (block_scales,) = m.scales
   g = grad.astype(jnp.float32)
@@ -475,7 +484,7 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
       _FIRST_MOMENT_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2},
       vmap_method="sequential")(g, m.codes, block_scales, coef,
                                 jnp.asarray(_first_moment_tables(m.spec.mapping)), seed,
-                                _row_bases(g.shape), *factors, step=step,
+                                _row_bases(g.shape, shard), *factors, step=step,
                                 m_stochastic=np.bool_(m.spec.stochastic))
   new_m = QuantizedArray(codes, (block_scales,), m.spec, m.shape, m.dtype)
   return update.astype(grad.dtype), new_m
@@ -513,7 +522,8 @@ class CpuSteps:
   method returns ``(update, new_moments)`` or None where the kernel does not
   cover the leaf (the caller runs the jnp path)."""
 
-  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None):
+  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None, *,
+           context: LeafContext = LeafContext()):
     moments = tuple(moments)
     if not covers(grad, moments):
       return None
@@ -522,42 +532,43 @@ class CpuSteps:
       return None  # the jnp path raises its error
     coef = _coefficients(b1, b2, eps, eps_root, count_inc)
 
-    def local(g, local_moments, side, local_keys, reduce_scales, consts):
+    def local(g, local_moments, side, local_keys, shard, consts):
       del side
       if _is_8bit(local_moments):
         return adam_8bit_leaf(g, local_moments, consts[0], nesterov)
-      return adam_leaf(g, local_moments, consts[0], nesterov, reduce_scales, local_keys)
+      return adam_leaf(g, local_moments, consts[0], nesterov, shard, local_keys)
 
-    return _sharding.run_fused(
+    return run_fused(
         local, grad, moments, (), (coef,),
-        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments), keys,
-        hashes_global_index=True)
+        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments),
+        context, keys, hashes_global_index=True)
 
-  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None):
+  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None, *,
+               context: LeafContext = LeafContext()):
     """``side``: ``(row, col, row_mean)`` of the (already updated) factored
     second moment, as `optax4bit.transform` computes them."""
     return self._first_moment("factored", grad, moment, side,
-                              _coefficients(b1, b2, eps, eps_root, count_inc), keys)
+                              _coefficients(b1, b2, eps, eps_root, count_inc), keys, context)
 
-  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None):
+  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None, *,
+               context: LeafContext = LeafContext()):
     return self._first_moment("momentum_nesterov" if nesterov else "momentum", grad, trace, (),
-                              momentum_coefficients(momentum), keys)
+                              momentum_coefficients(momentum), keys, context)
 
-  def _first_moment(self, step, grad, moment, side, coef, keys):
+  def _first_moment(self, step, grad, moment, side, coef, keys, context):
     if not covers_first_moment(grad, moment):
       return None
     keys = (None,) if keys is None else tuple(keys)
     if moment.spec.stochastic and keys[0] is None:
       return None  # the jnp path raises its error
 
-    def local(g, local_moments, local_side, local_keys, reduce_scales, consts):
-      del reduce_scales  # block scales need no other shard
+    def local(g, local_moments, local_side, local_keys, shard, consts):
       update, m = first_moment_leaf(step, g, local_moments[0], consts[0], local_side,
-                                    local_keys[0])
+                                    local_keys[0], shard)
       return update, (m,)
 
-    return _sharding.run_fused(
+    return run_fused(
         local, grad, (moment,), tuple(side), (coef,),
         lambda local_shape: covers_first_moment(
-            jax.ShapeDtypeStruct(local_shape, grad.dtype), moment), keys,
+            jax.ShapeDtypeStruct(local_shape, grad.dtype), moment), context, keys,
         hashes_global_index=True)

@@ -11,7 +11,7 @@ becomes a uint32 seed (`optax4bit.quant.maps.rounding_seed`) and the kernel
 hashes each element's flat index in the global leaf
 (`optax4bit.quant.maps.hashed_uniform`).
 
-Sharded leaves (see `optax4bit.sharding`) run the kernels per shard under
+Sharded leaves (see `optax4bit.sharding`, `optax4bit._fused_leaf`) run the kernels per shard under
 ``jax.shard_map``, exactly like the jnp reference does: block-wise scales
 are local, rank-1 and tensor statistics are reduced with a cross-shard
 ``pmax``, so results equal the unsharded run.
@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax4bit import recipes
-from optax4bit import sharding as _sharding
+from optax4bit import _recipes
+from optax4bit._fused_leaf import run_fused
+from optax4bit._leaf_context import LeafContext, shard_position
 from optax4bit._platform import default_platform
 from optax4bit._steps import adam_coefficients, momentum_coefficients
 from optax4bit._validation import IMPLEMENTATIONS
@@ -120,7 +121,7 @@ def _compile_probe() -> None:
   rank-1 encodes, nearest and stochastic rounding); raises what XLA's Triton
   or ptxas raise."""
   shape = (3, 301)
-  for recipe in recipes.RECIPES.values():
+  for recipe in _recipes.RECIPES.values():
     moments = (qarray.zeros(shape, jnp.float32, recipe.first_moment),
                qarray.zeros(shape, jnp.float32, recipe.second_moment))
 
@@ -197,25 +198,31 @@ class PallasSteps:
   the leaf (the caller then runs the jnp reference)."""
   options: _engine.Options
 
-  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None):
+  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None, *,
+           context: LeafContext = LeafContext()):
     coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    return self.run("adam_nesterov" if nesterov else "adam", coef, grad, moments, keys=keys)
+    return self.run("adam_nesterov" if nesterov else "adam", coef, grad, moments, keys=keys,
+                    context=context)
 
-  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None):
+  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None, *,
+               context: LeafContext = LeafContext()):
     """``side``: ``(row, col, row_mean)`` of the (already updated) factored
     second moment, as `optax4bit.transform` computes them."""
     coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    return self.run("factored", coef, grad, (moment,), side, keys=keys)
+    return self.run("factored", coef, grad, (moment,), side, keys=keys, context=context)
 
-  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None):
+  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None, *,
+               context: LeafContext = LeafContext()):
     coef = momentum_coefficients(momentum)
     return self.run("momentum_nesterov" if nesterov else "momentum", coef, grad, (trace,),
-                    keys=keys)
+                    keys=keys, context=context)
 
   def run(self, kind: str, coef: jax.Array, grad: jax.Array, moments: Sequence,
-          side: Sequence[jax.Array] = (), keys: Optional[Sequence] = None):
+          side: Sequence[jax.Array] = (), keys: Optional[Sequence] = None,
+          context: LeafContext = LeafContext()):
     """The step ``kind`` (a key of `optax4bit.pallas.optim.STEPS`) on one leaf;
-    ``keys``: one PRNG key (or None) per moment, for stochastic rounding."""
+    ``keys``: one PRNG key (or None) per moment, for stochastic rounding;
+    ``context``: the leaf's `optax4bit._leaf_context.LeafContext`."""
     moments = tuple(moments)
     if not moments or not all(isinstance(m, QuantizedArray) for m in moments):
       return None
@@ -226,22 +233,23 @@ class PallasSteps:
           kind, _geometry.DEFAULT_TILE_BYTES))
     if not _covers(shape, moments, options):
       return None
-    return _sharding.run_fused(
+    return run_fused(
         lambda *args: self._local(kind, options, *args), grad, moments, tuple(side), (coef,),
-        lambda local_shape: _covers(local_shape, moments, options), keys,
+        lambda local_shape: _covers(local_shape, moments, options), context, keys,
         hashes_global_index=True)
 
-  def _local(self, kind, options, grad, moments, side, keys, reduce_scales, consts):
+  def _local(self, kind, options, grad, moments, side, keys, shard, consts):
     (coef,) = consts
     shape = tuple(grad.shape)
     # The seeds the jnp reference derives from the same keys (`_codecs.encode`).
     seeds = [maps.rounding_seed(k) if m.spec.stochastic and k is not None else None
              for m, k in zip(moments, keys)]
-    shard = _sharding.shard_origin()
-    row_bases = None if shard is None else maps.row_hash_bases(shape, shard[1], shard[0])
+    position = shard_position(shard)
+    row_bases = None if position is None else maps.row_hash_bases(shape, position[1], position[0])
     (update,), new = _engine.run(
         STEPS[kind], shape=shape, coef=coef, dense_in=[grad], old=moments,
         side=_side_inputs(kind, shape, side), dense_out=[grad.dtype],
         new=[(m.spec, m.dtype) for m in moments], alias=range(len(moments)),
-        seeds=seeds, row_bases=row_bases, options=options, reduce_scales=reduce_scales)
+        seeds=seeds, row_bases=row_bases, options=options,
+        reduce_scales=None if shard is None else shard.reduce_scales)
     return update, new
