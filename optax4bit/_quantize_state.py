@@ -365,7 +365,7 @@ class _Step(NamedTuple):
   count: jax.Array     # the new rounding count
   extra_args: dict
   update_names: list
-  codecs: Any          # the backend's codecs (`optax4bit.dispatch.codecs`), or None
+  codecs: Any          # the backend's codecs (`optax4bit.dispatch.resolve`), or None
 
 
 def _encode_result(step: _Step, new, old, i: int, k: int, context: LeafContext):
@@ -516,7 +516,7 @@ def _decoded_abstract(tree):
 
 def update(config: Config, updates, state, params=None, **extra_args):
   """``quantize_state(...).update``, with the backend's 4-bit codecs where it
-  has them (`optax4bit.dispatch.codecs`)."""
+  has them (`optax4bit.dispatch.resolve`)."""
   if not isinstance(state, QuantizedState):
     raise ValueError(f"state must be the QuantizedState of quantize_state's init, got "
                      f"{type(state).__name__}.")
@@ -541,7 +541,7 @@ def update(config: Config, updates, state, params=None, **extra_args):
   update_names = leaf_names(updates)
   _check_update_inputs(split)
   step = _Step(config, split, mirrors, count, extra_args, update_names,
-               _dispatch.codecs(config.implementation))
+               _dispatch.resolve(config.implementation).codecs)
   if config.per_leaf is False or (config.per_leaf is None and _not_separable(
       _function_argument_problem(extra_args) or update_problem(
           config.inner.update, jax.tree.map(abstract_leaf, updates),

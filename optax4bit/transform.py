@@ -215,12 +215,14 @@ def scale_by_adam_4bit(
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
-      the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
-      installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
-      ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
-      interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
-      see `optax4bit.dispatch`. Leaves the kernels do not cover
-      (float32, 8-bit, other quantizers) always use the jnp reference.
+      the compiled kernel of `optax4bit.cpu` for 4-bit and 8-bit Adam, where
+      it is installed and beats the jnp path (its AVX-512 and AVX2 builds);
+      the jnp reference elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      ``"pallas_interpret"`` (the Pallas kernels in interpret mode, any
+      backend) or an ``optax4bit.pallas.PallasConfig``; see
+      `optax4bit.dispatch`. Leaves the kernels do not cover (float32, other
+      quantizers; 8-bit ones on the Pallas kernels, while the C++ kernel runs
+      ``adamw_8bit``'s) use the jnp reference.
 
   Returns:
     An ``optax.GradientTransformation`` with `ScaleByAdam4bitState`.
@@ -259,18 +261,18 @@ def scale_by_adam_4bit(
     step = _steps.adam_step(b1, b2, eps, eps_root, count_inc, nesterov)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    fused = _dispatch.fused_steps(implementation)
+    backend = _dispatch.resolve(implementation)
+    fused_step = _steps.FusedStep.adam(b1, b2, eps, eps_root, count_inc, nesterov)
 
     def leaf_fn(context, g, m, v, k):
-      out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, nesterov, k,
-                                 context=context)
+      out = backend.steps and backend.steps.run(fused_step, g, (m, v), (), k, context=context)
       if out:
         return out
       return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk, context=context)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
     results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
-                                       codecs=_dispatch.codecs(implementation))
+                                       codecs=backend.codecs)
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -401,25 +403,26 @@ def scale_by_factored_adam_4bit(
     factored_step = _steps.factored_step(b1, b2, eps, eps_root, count_inc)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    fused = _dispatch.fused_steps(implementation)
+    backend = _dispatch.resolve(implementation)
+    fused = backend.steps
+    fused_adam = _steps.FusedStep.adam(b1, b2, eps, eps_root, count_inc, False)
+    fused_factored = _steps.FusedStep.factored(b1, b2, eps, eps_root, count_inc)
 
     def leaf_fn(context, g, m, v, k):
       if not isinstance(v, FactoredMoment):
-        out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, False, k,
-                                   context=context)
+        out = fused and fused.run(fused_adam, g, (m, v), (), k, context=context)
         return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk,
                                             context=context)
       g, v = _factored_second_moment(g, v, b2, chunk, context)
       side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
-      out = fused and fused.factored(g, m, side, b1, b2, eps, eps_root, count_inc, k[:1],
-                                     context=context)
+      out = fused and fused.run(fused_factored, g, (m,), side, k[:1], context=context)
       update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
                                                   chunk_size=chunk, context=context)
       return update, (m, v)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
     results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
-                                       codecs=_dispatch.codecs(implementation))
+                                       codecs=backend.codecs)
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -515,16 +518,17 @@ def scale_by_momentum_4bit(
 
     step = _steps.momentum_step(momentum, nesterov)
 
-    fused = _dispatch.fused_steps(implementation)
+    backend = _dispatch.resolve(implementation)
+    fused_step = _steps.FusedStep.heavy_ball(momentum, nesterov)
 
     def leaf_fn(context, g, t, k):
-      out = fused and fused.momentum(g, t, momentum, nesterov, k, context=context)
+      out = backend.steps and backend.steps.run(fused_step, g, (t,), (), k, context=context)
       return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk,
                                           context=context)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
     results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys,
-                                       codecs=_dispatch.codecs(implementation))
+                                       codecs=backend.codecs)
     new_updates = treedef.unflatten([u for u, _ in results])
     trace = state_def.unflatten([t for _, (t,) in results])
     return new_updates, ScaleByMomentum4bitState(count_inc, trace)

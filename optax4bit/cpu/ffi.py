@@ -70,7 +70,7 @@ import optax
 
 from optax4bit._fused_leaf import run_fused
 from optax4bit._leaf_context import LeafContext, shard_position
-from optax4bit._steps import adam_coefficients, momentum_coefficients
+from optax4bit._steps import FusedStep, adam_coefficients
 from optax4bit.cpu.kernel_call import kernel_call
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
@@ -517,20 +517,31 @@ def adam_8bit_leaf(grad, moments, coef, nesterov: bool):
 
 
 class CpuSteps:
-  """The fused steps of `optax4bit.dispatch.fused_steps` on XLA's CPU
-  backend: Adam, Adam with a factored second moment and momentum; every
-  method returns ``(update, new_moments)`` or None where the kernel does not
-  cover the leaf (the caller runs the jnp path)."""
+  """The fused steps of `optax4bit.dispatch.resolve` on XLA's CPU backend:
+  Adam, Adam with a factored second moment and momentum."""
 
-  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None, *,
-           context: LeafContext = LeafContext()):
+  def run(self, step: FusedStep, grad, moments, side=(), keys=None, *,
+          context: LeafContext = LeafContext()):
+    """``step`` on one leaf: ``(update, new_moments)``, or None where the
+    kernel does not cover the leaf (the caller runs the jnp path). ``side``:
+    for ``"factored"``, the ``(row, col, row_mean)`` of the (already updated)
+    factored second moment, as `optax4bit.transform` computes them; ``keys``:
+    one PRNG key (or None) per moment; ``context``: the leaf's."""
     moments = tuple(moments)
+    if step.kind.startswith("adam"):
+      return self._adam(grad, moments, step, keys, context)
+    coef = (_coefficients(step.b1, step.b2, step.eps, step.eps_root, step.count_inc)
+            if step.kind == "factored" else step.coefficients())
+    return self._first_moment(step.kind, grad, moments[0], side, coef, keys, context)
+
+  def _adam(self, grad, moments, step: FusedStep, keys, context):
+    nesterov = step.nesterov
     if not covers(grad, moments):
       return None
     keys = (None,) * len(moments) if keys is None else tuple(keys)
     if any(m.spec.stochastic and k is None for m, k in zip(moments, keys)):
       return None  # the jnp path raises its error
-    coef = _coefficients(b1, b2, eps, eps_root, count_inc)
+    coef = _coefficients(step.b1, step.b2, step.eps, step.eps_root, step.count_inc)
 
     def local(g, local_moments, side, local_keys, shard, consts):
       del side
@@ -542,18 +553,6 @@ class CpuSteps:
         local, grad, moments, (), (coef,),
         lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments),
         context, keys, hashes_global_index=True)
-
-  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None, *,
-               context: LeafContext = LeafContext()):
-    """``side``: ``(row, col, row_mean)`` of the (already updated) factored
-    second moment, as `optax4bit.transform` computes them."""
-    return self._first_moment("factored", grad, moment, side,
-                              _coefficients(b1, b2, eps, eps_root, count_inc), keys, context)
-
-  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None, *,
-               context: LeafContext = LeafContext()):
-    return self._first_moment("momentum_nesterov" if nesterov else "momentum", grad, trace, (),
-                              momentum_coefficients(momentum), keys, context)
 
   def _first_moment(self, step, grad, moment, side, coef, keys, context):
     if not covers_first_moment(grad, moment):

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +39,14 @@ from optax4bit import _recipes
 from optax4bit._fused_leaf import run_fused
 from optax4bit._leaf_context import LeafContext, shard_position
 from optax4bit._platform import default_platform
-from optax4bit._steps import adam_coefficients, momentum_coefficients
-from optax4bit._validation import IMPLEMENTATIONS
+from optax4bit._steps import FusedStep
 from optax4bit.pallas import _engine, _geometry
 from optax4bit.pallas.optim import STEPS
 from optax4bit.quant import array as qarray
 from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray
 
-__all__ = ["PallasConfig", "PallasSteps", "resolve"]
+__all__ = ["PallasConfig", "PallasSteps", "kernels_run_here"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -127,8 +126,8 @@ def _compile_probe() -> None:
 
     def step(grad, moments):
       keys = (jax.random.key(0), jax.random.key(1))
-      return PallasSteps(PallasConfig().options).adam(grad, moments, 0.9, 0.999, 1e-8, 0.0,
-                                                      jnp.int32(1), False, keys)
+      return PallasSteps(PallasConfig().options).run(
+          FusedStep.adam(0.9, 0.999, 1e-8, 0.0, jnp.int32(1), False), grad, moments, keys=keys)
 
     jax.jit(step).lower(jax.ShapeDtypeStruct(shape, jnp.float32), moments).compile()
 
@@ -148,24 +147,11 @@ def _kernels_compile(capability: str) -> bool:
   return True
 
 
-def resolve(implementation: Union[str, PallasConfig]) -> Optional[PallasConfig]:
-  """The `PallasConfig` to use, or None for the jnp reference.
-
-  Example:
-    >>> from optax4bit import pallas
-    >>> pallas.resolve("jnp") is None, pallas.resolve("pallas_interpret").interpret
-    (True, True)
-  """
-  if isinstance(implementation, PallasConfig):
-    return implementation
-  if implementation == "auto":
-    return PallasConfig() if _on_cuda() and _kernels_compile(_compute_capability()) else None
-  if implementation in ("pallas", "pallas_interpret"):
-    return PallasConfig(interpret=implementation == "pallas_interpret")
-  if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
-    return None
-  raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
-                   f"optax4bit.pallas.PallasConfig, got {implementation!r}.")
+def kernels_run_here() -> bool:
+  """Whether ``implementation="auto"`` runs these kernels: the default device
+  is a CUDA GPU (not ROCm) on which the kernels compile (probed once per
+  process and compute capability, see `_kernels_compile`)."""
+  return _on_cuda() and _kernels_compile(_compute_capability())
 
 
 def _covers(shape: tuple, moments: Sequence[QuantizedArray], options: _engine.Options) -> bool:
@@ -198,31 +184,16 @@ class PallasSteps:
   the leaf (the caller then runs the jnp reference)."""
   options: _engine.Options
 
-  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None, *,
-           context: LeafContext = LeafContext()):
-    coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    return self.run("adam_nesterov" if nesterov else "adam", coef, grad, moments, keys=keys,
-                    context=context)
-
-  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None, *,
-               context: LeafContext = LeafContext()):
-    """``side``: ``(row, col, row_mean)`` of the (already updated) factored
-    second moment, as `optax4bit.transform` computes them."""
-    coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    return self.run("factored", coef, grad, (moment,), side, keys=keys, context=context)
-
-  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None, *,
-               context: LeafContext = LeafContext()):
-    coef = momentum_coefficients(momentum)
-    return self.run("momentum_nesterov" if nesterov else "momentum", coef, grad, (trace,),
-                    keys=keys, context=context)
-
-  def run(self, kind: str, coef: jax.Array, grad: jax.Array, moments: Sequence,
-          side: Sequence[jax.Array] = (), keys: Optional[Sequence] = None,
+  def run(self, step: FusedStep, grad: jax.Array, moments: Sequence,
+          side: Sequence[jax.Array] = (), keys: Optional[Sequence] = None, *,
           context: LeafContext = LeafContext()):
-    """The step ``kind`` (a key of `optax4bit.pallas.optim.STEPS`) on one leaf;
-    ``keys``: one PRNG key (or None) per moment, for stochastic rounding;
-    ``context``: the leaf's `optax4bit._leaf_context.LeafContext`."""
+    """``step`` (its kind a key of `optax4bit.pallas.optim.STEPS`) on one
+    leaf. ``side``: for ``"factored"``, the ``(row, col, row_mean)`` of the
+    (already updated) factored second moment, as `optax4bit.transform`
+    computes them; ``keys``: one PRNG key (or None) per moment, for
+    stochastic rounding; ``context``: the leaf's
+    `optax4bit._leaf_context.LeafContext`."""
+    kind, coef = step.kind, step.coefficients()
     moments = tuple(moments)
     if not moments or not all(isinstance(m, QuantizedArray) for m in moments):
       return None
