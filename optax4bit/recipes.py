@@ -34,6 +34,13 @@ rounding are the cost: ``first_moment="B128/DE"`` (nearest) with the
 default's second moment matches the paper's recipe. For minibatch training of
 transformers, compare ``first_moment="B128/DE"`` (or ``recipe="paper"``) with
 the default on a short run.
+
+Example:
+  >>> import optax4bit
+  >>> optax4bit.recipes.RECIPES["paper"].first_moment.name
+  'B128/DE'
+  >>> optax4bit.recipes.resolve("default", first_moment="B128/DE").second_moment.name
+  'Rank-1/SqrtDE-0'
 """
 
 from optax4bit._recipes import RECIPES, Recipe, resolve

@@ -1,8 +1,9 @@
 """The fused XLA CPU kernels of the 4-bit optimizers and of 8-bit Adam, called
 through ``jax.ffi``.
 
-The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers FFI targets for XLA's CPU backend. Its row kernels
+The C++ library (``kernels.cc``, built by ``setup.py`` as an optional
+extension; the handlers of each step in its ``*_ffi.h``) registers FFI
+targets for XLA's CPU backend. Its row kernels
 (``encode_rows.h`` and ``adam_4bit_rows.h``, one set shared by all steps;
 ``first_moment_rows.h`` runs them for the steps without a quantized second
 moment) are compiled per ISA path (`isas`); calls run the best one this CPU
@@ -45,7 +46,7 @@ the same.
 
 It computes what the jnp reference computes, in the form XLA's CPU backend
 compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
-or more; see ``adam_4bit.cc``): codes, scales and updates are bit for bit
+or more; see ``kernels.cc``): codes, scales and updates are bit for bit
 those of ``implementation="jnp"`` there, stochastic rounding included (its
 draws are `optax4bit.quant.maps.hashed_uniform`'s). For a one-row leaf XLA
 compiles the reference's Adam update differently and the two may differ in the
@@ -79,7 +80,7 @@ from optax4bit.quant.spec import QuantSpec
 __all__ = ["available", "faster_than_jnp", "isa", "isas", "unavailable_reason", "covers",
            "covers_first_moment", "adam_leaf", "first_moment_leaf", "CpuSteps"]
 
-_LIBRARY = "_adam_4bit"
+_LIBRARY = "_kernels"
 _STATS_TARGET = "optax4bit_adam_4bit_stats"
 _APPLY_TARGET = "optax4bit_adam_4bit_apply"
 _FIRST_MOMENT_TARGET = "optax4bit_first_moment_apply"

@@ -11,12 +11,12 @@ becomes a uint32 seed (`optax4bit.quant.maps.rounding_seed`) and the kernel
 hashes each element's flat index in the global leaf
 (`optax4bit.quant.maps.hashed_uniform`).
 
-Sharded leaves (see `optax4bit.sharding`, `optax4bit._fused_leaf`) run the kernels per shard under
-``jax.shard_map``, exactly like the jnp reference does: block-wise scales
-are local, rank-1 and tensor statistics are reduced with a cross-shard
-``pmax``, so results equal the unsharded run.
+Sharded leaves (see `optax4bit.sharding`) run the kernels per shard
+(`optax4bit._fused_leaf`) exactly like the jnp reference does: block-wise
+scales are local, rank-1 and tensor statistics are reduced with a
+cross-shard ``pmax``, so results equal the unsharded run.
 
-Which backend runs is chosen in `optax4bit.dispatch`. ``"auto"`` uses these
+Which backend runs is chosen by `optax4bit.dispatch.resolve`. ``"auto"`` uses these
 kernels on a CUDA GPU only where they compile: once per process and compute
 capability the fused AdamW steps of both recipes are compiled for the default
 device, and if that fails ``auto`` runs the jnp reference and logs one line
