@@ -119,6 +119,37 @@ def imports_of(path: pathlib.Path, modules) -> tuple:
   return imported - {""}, private
 
 
+# Module state that is set once, when the C++ library loads; nothing else in
+# the package keeps state between calls or passes values beside signatures.
+GLOBALS_ALLOWED = {"optax4bit.cpu.ffi": {"_library"}}
+
+
+def hidden_channels(modules: dict) -> list:
+  """Values passed beside the signatures: ``contextvars``, ``global``
+  statements (but `GLOBALS_ALLOWED`), and ``implementation`` read anywhere
+  but in `optax4bit.dispatch` (compared with a name)."""
+  problems = []
+  for module, path in modules.items():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.Import, ast.ImportFrom)):
+        names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+        if "contextvars" in names:
+          problems.append(f"{module} imports contextvars")
+      elif isinstance(node, ast.Global):
+        extra = set(node.names) - GLOBALS_ALLOWED.get(module, set())
+        if extra:
+          problems.append(f"{module} sets the globals {sorted(extra)}")
+      elif isinstance(node, ast.Compare) and module != "optax4bit.dispatch":
+        operands = [node.left, *node.comparators]
+        named = any(isinstance(o, ast.Name) and o.id == "implementation"
+                    or isinstance(o, ast.Attribute) and o.attr == "implementation"
+                    for o in operands)
+        if named and any(isinstance(o, (ast.Constant, ast.Tuple)) for o in operands):
+          problems.append(f"{module} interprets implementation (line {node.lineno}); "
+                          "only dispatch.resolve may")
+  return problems
+
+
 def layering_problems(modules: dict, layers: list) -> list:
   """Every breach of the rules by ``modules`` (``{name: path}``): imports
   that climb a layer, a backend importing another, private names used
@@ -183,6 +214,10 @@ def test_imports_go_down_without_cycles_or_private_names(layers):
   assert layering_problems(package_modules(), layers) == []
 
 
+def test_no_hidden_channels_and_one_place_reads_implementation():
+  assert hidden_channels(package_modules()) == []
+
+
 def test_the_public_api_is_the_top_layer_and_nothing_below_imports_it(layers):
   top = layers[0][1]
   for public in ("__init__", "alias", "transform", "wrappers", "sharding", "recipes"):
@@ -193,7 +228,8 @@ def test_the_public_api_is_the_top_layer_and_nothing_below_imports_it(layers):
 
 def test_the_checks_catch_a_bad_import(layers, tmp_path):
   """The rules fail on a copy of the package with one climbing import, one
-  cycle and one private name each added."""
+  cycle, one private name, one global and one reading of ``implementation``
+  each added."""
   modules = package_modules()
   bad = dict(modules)
 
@@ -205,10 +241,14 @@ def test_the_checks_catch_a_bad_import(layers, tmp_path):
   with_line("optax4bit._leafwise", "from optax4bit import transform")
   with_line("optax4bit._order", "import optax4bit._leafwise")
   with_line("optax4bit.cpu.codec", "return ffi._load()")
-  problems = "\n".join(layering_problems(bad, layers))
+  with_line("optax4bit._codecs", "global _native_codecs")
+  with_line("optax4bit.transform", "return implementation == 'auto'")
+  problems = "\n".join(layering_problems(bad, layers) + hidden_channels(bad))
   assert "optax4bit._leafwise (engine) imports optax4bit.transform" in problems
   assert "import cycle" in problems and "optax4bit._order" in problems
   assert "optax4bit.cpu.codec uses the private name optax4bit.cpu.ffi._load" in problems
+  assert "optax4bit._codecs sets the globals ['_native_codecs']" in problems
+  assert "optax4bit.transform interprets implementation" in problems
 
 
 def test_no_module_is_longer_than_600_lines():
