@@ -47,8 +47,8 @@ _LINK_FLAGS = ["-s"] if sys.platform.startswith("linux") else []
 setuptools.setup(
     ext_modules=[
         setuptools.Extension(
-            "optax4bit.cpu._adam_4bit",
-            sources=["optax4bit/cpu/adam_4bit.cc"],
+            "optax4bit.cpu._kernels",
+            sources=["optax4bit/cpu/kernels.cc"],
             depends=sorted(glob.glob("optax4bit/cpu/*.h")),
             language="c++",
             extra_compile_args=_FLAGS,

@@ -17,7 +17,7 @@
 //     -I"$(python -c 'import jaxlib, os; print(os.path.dirname(jaxlib.__file__))')/include" \
 //     benchmarks/cpu_kernel_rows.cc -o /tmp/cpu_kernel_rows -lpthread && /tmp/cpu_kernel_rows [isa...]
 
-#include "../optax4bit/cpu/adam_4bit.cc"
+#include "../optax4bit/cpu/kernels.cc"
 #include "row_pass_args.h"
 
 #include <chrono>

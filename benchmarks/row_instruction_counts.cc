@@ -5,7 +5,7 @@
 // Arguments: the step (0: 4-bit Adam, paper recipe; 1: 4-bit Adam, default
 // recipe; 2: 4-bit momentum, stochastic rounding; 3: 8-bit Adam, which reads
 // its tables from the file named by the fourth argument) and the passes.
-#include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
+#include "optax4bit/cpu/kernels.cc"  // -I the repository root
 #include "benchmarks/row_pass_args.h"
 
 #include <cstdlib>

@@ -5,7 +5,7 @@
 // (FirstMomentRows) and 8-bit Adam's (Apply8bitRows). Shared by the row
 // harness (benchmarks/cpu_kernel_rows.cc), the instruction counts
 // (benchmarks/row_instruction_counts.cc) and the aarch64 row check of
-// tests/test_packaging.py; include after optax4bit/cpu/adam_4bit.cc.
+// tests/test_packaging.py; include after optax4bit/cpu/kernels.cc.
 
 #include <cstdio>
 #include <vector>

@@ -5,7 +5,7 @@ its mesh but not its ``PartitionSpec``: at trace time nobody knows how it is
 sharded. XLA does, when it partitions the program. `run_auto` wraps one
 leaf's update in ``jax.experimental.custom_partitioning``: XLA's partitioner
 calls back with the gradient's actual sharding, and the callback returns the
-same per-shard update `optax4bit.sharding.per_shard` runs under
+same per-shard update `optax4bit._shard_map.per_shard` runs under
 ``shard_map`` (local chunks, rank-1/tensor scales reduced with ``pmax``,
 stochastic rounding hashing global indices). Nothing state-sized is gathered
 and the bits equal the single-device run's. A replicated leaf (data
@@ -24,7 +24,9 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax4bit import _order
-from optax4bit import sharding as _sharding
+from optax4bit import _shard_map
+from optax4bit import _state_sharding as _placement
+from optax4bit._leaf_context import Shard
 from optax4bit.quant.array import QuantizedArray
 
 
@@ -33,44 +35,41 @@ def _identity(scales, layout):
   return scales
 
 
-def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tuple,
-             consts: tuple, covers_shard: Optional[Callable[[tuple], bool]] = None):
-  """``local_update`` (see `optax4bit.sharding.per_shard`) on one leaf whose
+# The update of a replicated leaf, the whole leaf on every device.
+_WHOLE = Shard(_identity)
+
+
+def run_auto(local_update: _shard_map.LocalUpdate, grad, moments: tuple, side: tuple,
+             keys: tuple, consts: tuple, covers_shard: Optional[Callable[[tuple], bool]] = None,
+             ordering: Optional[_order.Ordering] = None):
+  """``local_update`` (see `optax4bit._shard_map.per_shard`) on one leaf whose
   sharding XLA will choose; returns ``(update, new_moments)``.
 
   ``covers_shard(local_shape)``: for a fused kernel, whether it computes a
   shard of that shape; where it does not, the leaf runs whole on every
-  device (XLA gathers it), as without this module."""
+  device (XLA gathers it), as without this module. ``ordering``: see
+  `optax4bit._order`."""
   shape = tuple(grad.shape)
-  raw = tuple((m.codes, tuple(m.scales)) if isinstance(m, QuantizedArray) else m
-              for m in moments)
-  info = tuple((m.spec, m.dtype) if isinstance(m, QuantizedArray) else None for m in moments)
+  raw, info = _shard_map.split_moments(moments)
   impls = tuple(None if k is None else jax.random.key_impl(k) for k in keys)
   key_data = tuple(None if k is None else jax.random.key_data(k) for k in keys)
 
-  def moments_of(raw_moments, leaf_shape):
-    return tuple(r if i is None else QuantizedArray(r[0], tuple(r[1]), i[0], leaf_shape, i[1])
-                 for r, i in zip(raw_moments, info))
-
-  ordering = _order.request()
-
-  def run_raw(reduce, leaf_shape, g, raw_moments, side_, data, consts_):
+  def run_raw(shard, leaf_shape, g, raw_moments, side_, data, consts_):
     keys_ = tuple(None if d is None else jax.random.wrap_key_data(d, impl=i)
                   for d, i in zip(data, impls))
-    update, new = local_update(g, moments_of(raw_moments, leaf_shape), side_, keys_, reduce,
-                               consts_)
-    return update, tuple((m.codes, tuple(m.scales)) if isinstance(m, QuantizedArray) else m
-                         for m in new), new
+    update, new = local_update(g, _shard_map.join_moments(raw_moments, info, leaf_shape), side_,
+                               keys_, shard, consts_)
+    return update, _shard_map.split_moments(new)[0], new
 
-  def run(reduce, leaf_shape, *a):
+  def run(shard, leaf_shape, *a):
     # With sequential_map's zero (see `optax4bit._order`), made
     # per shard: a replicated scalar output.
-    return _order.with_local_zero(functools.partial(run_raw, reduce, leaf_shape), ordering)(*a)
+    return _order.with_local_zero(functools.partial(run_raw, shard, leaf_shape), ordering)(*a)
 
   args = (grad, raw, tuple(side), key_data, tuple(consts))
   # custom_partitioning takes no closed-over constants (8-bit tables are):
   # they enter as replicated operands of the one-device function.
-  closed, out_shapes = jax.make_jaxpr(functools.partial(run, _identity, shape),
+  closed, out_shapes = jax.make_jaxpr(functools.partial(run, _WHOLE, shape),
                                       return_shape=True)(*args)
   out_tree = jax.tree.structure(out_shapes)
   tables = tuple(closed.consts)
@@ -79,14 +78,14 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
     flat = jax.core.eval_jaxpr(closed.jaxpr, list(tables_), *jax.tree.leaves(a))
     return jax.tree.unflatten(out_tree, flat)
 
-  def per_shard_of(reduce, leaf_shape):
-    return lambda tables_, *a: run(reduce, leaf_shape, *a)
+  def per_shard_of(shard, leaf_shape):
+    return lambda tables_, *a: run(shard, leaf_shape, *a)
 
   fn = custom_partitioning(whole)
   zero_spec = _order.zero_specs(ordering)
 
   def specs(spec):
-    of = lambda x: _sharding.state_partition_spec(spec, shape, tuple(x.shape))  # noqa: E731
+    of = lambda x: _placement.state_partition_spec(spec, shape, tuple(x.shape))  # noqa: E731
     return (tuple(PartitionSpec() for _ in tables), spec, jax.tree.map(of, raw),
             tuple(of(s) for s in side),
             jax.tree.map(lambda _: PartitionSpec(), key_data),
@@ -98,29 +97,29 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
 
   def infer(mesh, arg_shapes, result_shape):  # the GSPMD partitioner's propagation
     del result_shape
-    spec, _, _ = _sharding.shard_runner(mesh, given_spec(arg_shapes), shape)
+    spec, _, _ = _shard_map.shard_runner(mesh, given_spec(arg_shapes), shape)
     specs_ = specs(spec)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), (specs_[1], specs_[2]) + zero_spec,
                         is_leaf=lambda s: isinstance(s, PartitionSpec))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    spec, local_shape, as_shard = _sharding.shard_runner(mesh, given_spec(arg_shapes), shape)
+    spec, local_shape, as_shard = _shard_map.shard_runner(mesh, given_spec(arg_shapes), shape)
     if local_shape != shape and covers_shard is not None and not covers_shard(local_shape):
       spec, local_shape = PartitionSpec(), shape  # the kernel needs the whole leaf
     for m in moments:
       if isinstance(m, QuantizedArray):
-        _sharding.check_alignment(m, mesh, spec)
+        _placement.check_alignment(m, mesh, spec)
     arg_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(spec),
                                  is_leaf=lambda s: isinstance(s, PartitionSpec))
     out_shardings = (arg_shardings[1], arg_shardings[2]) + tuple(
         NamedSharding(mesh, s) for s in zero_spec)
     if local_shape == shape:  # replicated: the whole update on every device
-      return mesh, per_shard_of(_identity, shape), out_shardings, arg_shardings
+      return mesh, per_shard_of(_WHOLE, shape), out_shardings, arg_shardings
 
     def lower(tables_, *a):
       del tables_
-      return as_shard(lambda reduce: run(reduce, local_shape, *a))
+      return as_shard(lambda shard: run(shard, local_shape, *a))
 
     return mesh, lower, out_shardings, arg_shardings
 
@@ -135,4 +134,5 @@ def run_auto(local_update: Callable, grad, moments: tuple, side: tuple, keys: tu
                    sharding_rule=SdyShardingRule(
                        operand_mappings=tuple(operands), result_mappings=tuple(results)))
   update, new_raw, *zero = fn(tables, *args)
-  return update, moments_of(_order.collect(ordering, new_raw, zero), shape)
+  return update, _shard_map.join_moments(_order.collect(ordering, new_raw, zero), info,
+                                         shape)

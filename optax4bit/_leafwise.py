@@ -21,7 +21,6 @@ decompressed float32 moments exist for one chunk of rows of one leaf at a time:
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -31,9 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax4bit import _codecs
-from optax4bit import _order
 from optax4bit import _gspmd
-from optax4bit import sharding as _sharding
+from optax4bit import _order
+from optax4bit import _shard_map
+from optax4bit import _state_sharding as _placement
+from optax4bit._leaf_context import LeafContext
 from optax4bit._validation import DEFAULT_CHUNK_SIZE
 from optax4bit.quant import array as qarray
 from optax4bit.quant import normalize
@@ -49,25 +50,26 @@ def compute_dtype(x):
   return x.dtype if jnp.iscomplexobj(x) else jnp.float32
 
 
-def decode_moment(moment) -> jax.Array:
+def decode_moment(moment, context: LeafContext) -> jax.Array:
   """float32 value of a stored moment (quantized or plain)."""
   if isinstance(moment, QuantizedArray):
-    return _codecs.decode(moment.codes, moment.scales, moment.spec, moment.layout, moment.shape)
+    return _codecs.decode(moment.codes, moment.scales, moment.spec, moment.layout, moment.shape,
+                          context)
   return moment.astype(compute_dtype(moment))
 
 
-def encode_moment(value: jax.Array, like, key=None, reduce_scales=None):
-  """Stores float32 ``value`` the way ``like`` (the old moment) is stored
-  (``reduce_scales``: see `update_leaf`)."""
+def encode_moment(value: jax.Array, like, context: LeafContext, key=None):
+  """Stores float32 ``value`` the way ``like`` (the old moment) is stored (in
+  a shard, rank-1 and tensor scales are the global leaf's)."""
   if not isinstance(like, QuantizedArray):
     return value.astype(like.dtype)
   layout = like.layout
   scales = None
   if layout.normalization != "block":  # block maxima never span shards
     scales = normalize.compute_scales(normalize.finite_abs(value), layout)
-    if reduce_scales is not None:
-      scales = reduce_scales(scales, layout)
-  codes, scales = _codecs.encode(value, like.spec, layout, key, scales=scales)
+    if context.shard is not None:
+      scales = context.shard.reduce_scales(scales, layout)
+  codes, scales = _codecs.encode(value, like.spec, layout, key, context, scales=scales)
   return QuantizedArray(codes, scales, like.spec, like.shape, like.dtype)
 
 
@@ -139,14 +141,14 @@ def _materialized(tree):
 
 
 def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = (),
-                keys: Optional[tuple] = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                reduce_scales: Optional[Callable] = None):
+                keys: Optional[tuple] = None, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                context: LeafContext):
   """Runs ``step_fn`` over one leaf; returns ``(update, new_moments)``.
 
   A leaf whose sharding is known (explicit sharding types, or a concrete
   sharded array) runs per shard under ``jax.shard_map`` (see
-  `optax4bit.sharding`): the chunks are then local rows, and no state-sized
-  buffer is gathered.
+  `optax4bit._shard_map`; on ``Auto`` mesh axes `optax4bit._gspmd`): the
+  chunks are then local rows, and no state-sized buffer is gathered.
 
   Args:
     step_fn: elementwise step on float32 chunks (see module docstring). To
@@ -159,26 +161,26 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
       moments); sliced with the rows when their axis 0 spans the leaf's.
     keys: one PRNG key (or None) per moment, for stochastic rounding.
     chunk_size: elements per chunk; leaves no larger run in one piece.
-    reduce_scales: ``(scales, layout) -> scales``, applied to every newly
-      computed rank-1 or tensor scale of a whole (local) leaf; set per shard
-      to take the maxima over the other shards.
+    context: the leaf's `LeafContext` (from `sequential_map`, or a shard's).
   """
   keys = tuple(keys) if keys is not None else (None,) * len(moments)
   if not jnp.issubdtype(grad.dtype, jnp.inexact):
     # An integer (or bool) leaf steps as optax's do: its gradient's values in
     # float32, and a float32 update (cast back, it would round to 0).
     grad = grad.astype(jnp.float32)
-  if reduce_scales is None:
-    sharding = _sharding.leaf_sharding(grad)
-    auto = sharding is None and _sharding.on_auto_mesh(grad)
+  if context.shard is None:
+    sharding = _placement.leaf_sharding(grad)
+    auto = sharding is None and _placement.on_auto_mesh(grad)
     if sharding is not None or auto:
-      rebuild, consts = _sharding.hoist_partial(step_fn)
+      rebuild, consts = _shard_map.hoist_partial(step_fn)
       # The row offset (a traced 0 that orders leaves) enters as a const too.
-      local = functools.partial(_local_update, rebuild, chunk_size)
-      consts = consts + (jnp.asarray(_ROW_OFFSET.get(), jnp.int32),)
+      local = functools.partial(_local_update, rebuild, chunk_size, context)
+      consts = consts + (jnp.asarray(context.row_offset, jnp.int32),)
       if auto:  # Auto mesh axes: XLA's partitioner tells the sharding (`_gspmd`)
-        return _gspmd.run_auto(local, grad, moments, side, keys, consts)
-      return _sharding.per_shard(local, sharding, grad, moments, side, keys, consts)
+        return _gspmd.run_auto(local, grad, moments, side, keys, consts,
+                               ordering=context.ordering)
+      return _shard_map.per_shard(local, sharding, grad, moments, side, keys, consts,
+                                  ordering=context.ordering)
   plans = tuple(_plan(m) for m in moments)
   num_rows = grad.shape[0] if grad.ndim else 1
   rows = _chunk_rows(grad.shape, plans, chunk_size) if grad.ndim else num_rows
@@ -188,15 +190,15 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
     # whose update is a fresh buffer, live until the caller applies it.
     rows = min(rows, num_rows // halves * (halves // 2))
   elif rows >= num_rows:
-    old = tuple(decode_moment(m) for m in moments)
+    old = tuple(decode_moment(m, context) for m in moments)
     update, new = _materialized(step_fn(grad.astype(compute_dtype(grad)), old, side))
-    new_moments = tuple(encode_moment(v, m, k, reduce_scales)
-                        for v, m, k in zip(new, moments, keys))
+    new_moments = tuple(encode_moment(v, m, context, k) for v, m, k in zip(new, moments, keys))
     return _cast(update, grad.dtype), new_moments
-  return _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce_scales)
+  return _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, context)
 
 
-def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+              context: LeafContext):
   """Reductions of the gradient taken chunk by chunk, ahead of `update_leaf`.
 
   Args:
@@ -205,6 +207,7 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
       ``row_stats`` keep the block's rows on axis 0, ``total_stats`` are sums
       that add up over blocks (e.g. Adafactor's column sums of ``g**2``).
     chunk_size: elements per chunk, as in `update_leaf`.
+    context: the leaf's `LeafContext`.
 
   Returns:
     ``(grad, row_stats, total_stats)`` for the whole leaf. ``grad`` holds the
@@ -215,10 +218,10 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
   num_rows = grad.shape[0] if grad.ndim else 1
   # At least two chunks, for the same reason as in `update_leaf`.
   rows = min(max(1, chunk_size // max(math.prod(grad.shape[1:]), 1)), -(-num_rows // 2))
-  if grad.ndim == 0 or num_rows < 2 or _sharding.may_be_split(grad):  # whole-leaf sums
+  if grad.ndim == 0 or num_rows < 2 or _placement.may_be_split(grad):  # whole-leaf sums
     row_stats, totals = sums_fn(grad.astype(jnp.float32))
     return grad, row_stats, totals
-  offset = _ROW_OFFSET.get()
+  offset = context.row_offset
   num_chunks = -(-num_rows // rows)
   row_shape = grad.shape[1:]
   chunk_shapes = jax.eval_shape(sums_fn, jax.ShapeDtypeStruct((rows,) + row_shape, jnp.float32))
@@ -239,14 +242,10 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
   return jax.lax.fori_loop(0, num_chunks, body, (grad, row_stats, totals))
 
 
-def _local_update(rebuild_step, chunk_size, grad, moments, side, keys, reduce_scales, consts):
-  """`update_leaf` on one shard (see `optax4bit.sharding.per_shard`)."""
-  token = _ROW_OFFSET.set(consts[-1])
-  try:
-    return update_leaf(rebuild_step(consts[:-1]), grad, moments, side, keys, chunk_size,
-                       reduce_scales)
-  finally:
-    _ROW_OFFSET.reset(token)
+def _local_update(rebuild_step, chunk_size, context, grad, moments, side, keys, shard, consts):
+  """`update_leaf` on one shard (see `optax4bit._shard_map.per_shard`)."""
+  return update_leaf(rebuild_step(consts[:-1]), grad, moments, side, keys, chunk_size,
+                     context=context.in_shard(shard, consts[-1]))
 
 
 def _slice_chunk(plan: _MomentPlan, buffers, start, rows):
@@ -260,14 +259,14 @@ def _slice_chunk(plan: _MomentPlan, buffers, start, rows):
                 for s, f in zip(scales, plan.scale_factors)))
 
 
-def _decode_chunk(moment, plan: _MomentPlan, chunk, rows, row_shape):
+def _decode_chunk(moment, plan: _MomentPlan, chunk, rows, row_shape, context: LeafContext):
   """float32 old value of rows of a moment from `_slice_chunk`'s output."""
   if not plan.quantized:
     return chunk.astype(compute_dtype(chunk))
   codes, scales = chunk
   shape = (rows,) + row_shape
   return _codecs.decode(codes, scales, moment.spec, normalize.layout_for(moment.spec, shape),
-                        shape)
+                        shape, context)
 
 
 class _Schedule(NamedTuple):
@@ -292,12 +291,11 @@ class _Schedule(NamedTuple):
     return self.offset + self.count * self.rows
 
 
-def _schedule(num_rows: int, rows: int, align: int) -> _Schedule:
+def _schedule(num_rows: int, rows: int, align: int, offset) -> _Schedule:
   num_full = num_rows // rows
   overlap_last = num_full * rows < num_rows and (num_rows - rows) % align == 0
   tail = 0 if overlap_last else num_rows - num_full * rows
-  return _Schedule(num_rows, rows, num_full + int(overlap_last), overlap_last, tail,
-                   _ROW_OFFSET.get())
+  return _Schedule(num_rows, rows, num_full + int(overlap_last), overlap_last, tail, offset)
 
 
 class _LeafBuffers(NamedTuple):
@@ -309,12 +307,14 @@ class _LeafBuffers(NamedTuple):
   side: tuple
   num_rows: int
   row_shape: tuple
+  context: LeafContext
 
   def run_step(self, grad_buf, bufs, start, size):
     """The step on a chunk, unmaterialized: callers materialize what they use
     (a barrier around all outputs would keep XLA from dropping the unused)."""
     g = _take_rows(grad_buf, start, size, 1).astype(compute_dtype(grad_buf))
-    old = tuple(_decode_chunk(m, p, _slice_chunk(p, b, start, size), size, self.row_shape)
+    old = tuple(_decode_chunk(m, p, _slice_chunk(p, b, start, size), size, self.row_shape,
+                              self.context)
                 for m, p, b in zip(self.moments, self.plans, bufs))
     return self.step_fn(g, old, _chunk_side(self.side, self.num_rows, start, size))
 
@@ -431,15 +431,15 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
     out = []
     for i, (moment, plan) in enumerate(zip(leaf.moments, leaf.plans)):
       if not plan.quantized:
-        out.append(encode_moment(new[i], moment))  # in its stored dtype
+        out.append(encode_moment(new[i], moment, leaf.context))  # in its stored dtype
         continue
       layout = leaf.chunk_layout(moment, size)
       chunk_scales = None
       if plan.needs_second_pass:
         chunk_scales = tuple(s if f is None else _take_rows(s, start, size, f)
                              for s, f in zip(new_global[i], plan.scale_factors))
-      codes, chunk_scales = _codecs.encode(new[i], moment.spec, layout, keys[i], start,
-                                           chunk_scales)
+      codes, chunk_scales = _codecs.encode(new[i], moment.spec, layout, keys[i], leaf.context,
+                                           start, chunk_scales)
       local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
       out.append((codes, local))
     return _cast(update, update_dtype), tuple(out)
@@ -461,17 +461,17 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
                        grad_buf, bufs)
 
 
-def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, reduce_scales=None):
+def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, context: LeafContext):
   """`update_leaf` in chunks of ``rows`` rows: `_stats_pass` if a moment has
   rank-1 or tensor scales, then `_apply_pass`."""
-  leaf = _LeafBuffers(step_fn, moments, plans, side, grad.shape[0], grad.shape[1:])
-  sched = _schedule(grad.shape[0], rows, _chunk_rows(grad.shape, plans, 0))
+  leaf = _LeafBuffers(step_fn, moments, plans, side, grad.shape[0], grad.shape[1:], context)
+  sched = _schedule(grad.shape[0], rows, _chunk_rows(grad.shape, plans, 0), context.row_offset)
   bufs = tuple((m.codes, m.scales) if p.quantized else m for m, p in zip(moments, plans))
   grad_buf, new_global = grad, ()
   if any(p.needs_second_pass for p in plans):
     grad_buf, bufs, new_global = _stats_pass(leaf, sched, grad_buf, bufs)
-    if reduce_scales is not None:
-      new_global = tuple(reduce_scales(g, m.layout) if p.needs_second_pass else g
+    if context.shard is not None:
+      new_global = tuple(context.shard.reduce_scales(g, m.layout) if p.needs_second_pass else g
                          for g, m, p in zip(new_global, moments, plans))
   grad_buf, bufs = _apply_pass(leaf, sched, grad_buf, bufs, new_global, keys, grad.dtype)
   # Unfused from what the caller does next, the last writes stay in place.
@@ -492,7 +492,7 @@ def stored_value(x: jax.Array) -> jax.Array:
   or under explicit sharding (which forbids picking one element of a sharded
   axis) and on ``Auto`` mesh axes (where the flattening reshape would gather
   a split array) its maximum, a scalar all-reduce."""
-  if _sharding.may_be_split(x):
+  if _placement.may_be_split(x):
     return jnp.max(x)
   return x.reshape(-1)[0]
 
@@ -519,7 +519,7 @@ def _zero_after(result):
   candidates = [x for x in written_last or ([] if update is None else [update]) if x.size]
   if not candidates or not isinstance(candidates[0], jax.core.Tracer):
     return 0
-  if _sharding.may_be_split(candidates[0]):
+  if _placement.may_be_split(candidates[0]):
     candidates = [min(candidates, key=lambda x: x.size)]  # the cheapest to reduce
   else:
     # One element of each array: moments encoded by separate computations
@@ -535,13 +535,13 @@ def _zero_after(result):
   return zero
 
 
-_ROW_OFFSET = contextvars.ContextVar("optax4bit_row_offset", default=0)
-
-
-def sequential_map(fn: Callable, *leaf_lists: Sequence) -> list:
-  """``[fn(*args) for args in zip(*leaf_lists)]``, run by XLA one call after
-  another so that their temporaries never coexist; ``fn`` returns
-  ``(update, stored)`` (``stored``: the leaf's new state).
+def sequential_map(fn: Callable, *leaf_lists: Sequence, codecs=None) -> list:
+  """``[fn(context, *args) for args in zip(*leaf_lists)]``, run by XLA one
+  call after another so that their temporaries never coexist; ``fn`` returns
+  ``(update, stored)`` (``stored``: the leaf's new state) and passes its
+  ``context`` (a `LeafContext` with ``codecs``, the backend's codecs or
+  None) to `update_leaf`, `grad_sums`, `after_previous_leaf` and the fused
+  steps.
 
   This is the one mechanism that orders leaves. XLA's scheduler ignores
   ``optimization_barrier`` orderings here (XLA:CPU drops them before
@@ -551,8 +551,9 @@ def sequential_map(fn: Callable, *leaf_lists: Sequence) -> list:
   inputs. Either is a data dependence that keeps call ``i + 1`` after call
   ``i``. A call that runs per shard (``shard_map``, or ``custom_partitioning``
   on an ``Auto`` mesh) makes that zero from each device's own shard
-  (`optax4bit._order`), so ordering the leaves adds no
-  collective whatever the mesh, the shardings and the order of the leaves.
+  (`optax4bit._order`, asked by the context's ``ordering``), so ordering the
+  leaves adds no collective whatever the mesh, the shardings and the order of
+  the leaves.
   """
   results, local_zeros = [], []
   for args in zip(*leaf_lists):
@@ -560,21 +561,18 @@ def sequential_map(fn: Callable, *leaf_lists: Sequence) -> list:
     if results:
       zero = functools.reduce(jnp.bitwise_or, local_zeros) if local_zeros else (
           _zero_after(results[-1]))
-    token = _ROW_OFFSET.set(zero)
-    try:
-      with _order.order_zeros(_zero_after) as local_zeros:
-        results.append(fn(*args))
-    finally:
-      _ROW_OFFSET.reset(token)
+    ordering = _order.Ordering(_zero_after, [])
+    results.append(fn(LeafContext(codecs, zero, ordering), *args))
+    local_zeros = ordering.zeros
   return results
 
 
-def after_previous_leaf(tree):
+def after_previous_leaf(tree, context: LeafContext):
   """``tree`` with every floating array ``x`` replaced by ``x - 0``, the zero
   of `sequential_map`: bit-identical values (``x - (+0.0) == x``, signed
   zeros, infs and NaNs included) that XLA computes only after the previous
   leaf. For steps that do not go through `update_leaf`'s row offsets."""
-  zero = _ROW_OFFSET.get()
+  zero = context.row_offset
   if isinstance(zero, int):
     return tree
 

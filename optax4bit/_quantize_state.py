@@ -14,12 +14,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax4bit import _codecs
 from optax4bit import _leafwise
-from optax4bit import dispatch as _dispatch
 from optax4bit import _state_fields
+from optax4bit import _state_sharding
 from optax4bit import _validation
-from optax4bit import sharding as _sharding
+from optax4bit import dispatch as _dispatch
+from optax4bit._leaf_context import LeafContext
 from optax4bit._separability import (
     NOT_SEPARABLE_HINT,
     abstract_leaf,
@@ -84,7 +84,7 @@ def _encode_step(g32, old, side):
   return g32, (g32,)
 
 
-def _decode(x, like=None, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def _decode(x, like, chunk_size: int, context: LeafContext):
   """The value a stored state leaf holds, in its dtype. A quantized leaf
   whose gradient ``like`` has a known sharding is decoded per shard (a block
   layout cannot be decoded on the global view of a sharded array)."""
@@ -92,23 +92,24 @@ def _decode(x, like=None, chunk_size: int = DEFAULT_CHUNK_SIZE):
     return x
   # A field in another shape than its parameter (GaLore's projected moments)
   # is decoded whole.
-  if (like is None or _sharding.leaf_sharding(like) is None
+  if (like is None or _state_sharding.leaf_sharding(like) is None
       or tuple(np.shape(like)) != tuple(x.shape)):
     return x.dequantize()
   template = jnp.zeros_like(like, dtype=x.dtype)
-  value, _ = _leafwise.update_leaf(_decode_step, template, (x,), chunk_size=chunk_size)
+  value, _ = _leafwise.update_leaf(_decode_step, template, (x,), chunk_size=chunk_size,
+                                   context=context)
   return value
 
 
-def _encode(value, like, key=None, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def _encode(value, like, key, context: LeafContext, chunk_size: int = DEFAULT_CHUNK_SIZE):
   """``value`` stored the way ``like`` is (a `QuantizedArray` or a plain
   array); per shard when ``value``'s sharding is known."""
   if not qarray.is_quantized(like):
     return value
-  if _sharding.leaf_sharding(value) is None:
-    return _leafwise.encode_moment(value.astype(jnp.float32), like, key)
+  if _state_sharding.leaf_sharding(value) is None:
+    return _leafwise.encode_moment(value.astype(jnp.float32), like, context, key)
   _, (new,) = _leafwise.update_leaf(_encode_step, value, (like,), keys=(key,),
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, context=context)
   return new
 
 
@@ -118,18 +119,18 @@ def _rounding_key(seed, count, i: int, k: int):
       jax.random.key(seed), count), i), k)
 
 
-def _encode_new(value, spec: Optional[QuantSpec], key_fn, param=None):
+def _encode_new(value, spec: Optional[QuantSpec], key_fn, param, context: LeafContext):
   """A state leaf of ``init`` stored with ``spec`` (None: as it is), placed
   like its parameter when the parameter is sharded."""
   if spec is None:
     return value
   key = key_fn() if spec.stochastic else None
   like = qarray.zeros(tuple(np.shape(value)), _dtype(value), spec)
-  if _sharding.leaf_sharding(value) is not None:
-    return _encode(value, like, key)
+  if _state_sharding.leaf_sharding(value) is not None:
+    return _encode(value, like, key, context)
   if param is not None and tuple(np.shape(param)) == tuple(np.shape(value)):
-    return _sharding.follow_param(param, lambda: _encode(value, like, key))
-  return _encode(value, like, key)
+    return _state_sharding.follow_param(param, lambda: _encode(value, like, key, context))
+  return _encode(value, like, key, context)
 
 
 def _inner_state(outer_def, mirror, mirrored: list, shared: list):
@@ -164,7 +165,7 @@ def _inner_step(inner_update, outer_def, mirror, dtypes, quantized, g_dtype, has
                 extra_args, g32, old, side):
   """``inner.update`` as a `_leafwise` step on float32 chunks. Traced values
   (``shared``, ``extra_args``) are arguments, so that ``functools.partial``
-  of it can run per shard (`optax4bit.sharding.hoist_partial`)."""
+  of it can run per shard (`optax4bit._shard_map.hoist_partial`)."""
   old = [o.astype(d) for o, d in zip(old, dtypes)]
   u, new_state = inner_update(g32.astype(g_dtype), _inner_state(outer_def, mirror, old, shared),
                               side[0] if has_param else None, **extra_args)
@@ -173,15 +174,18 @@ def _inner_step(inner_update, outer_def, mirror, dtypes, quantized, g_dtype, has
   return u.astype(jnp.float32), tuple(restart_beside_overflow(new, quantized))
 
 
-def _init_leaf(inner_init, outer_def, mirror, leaf_specs, seed, p, i):
+def _init_leaf(inner_init, outer_def, mirror, leaf_specs, seed, p, i,
+               context: LeafContext = LeafContext()):
   """``inner.init`` of one parameter leaf, its per-parameter state encoded:
-  ``(mirrored, shared)``."""
+  ``(mirrored, shared)`` (``context``: the leaf's, where traced in the
+  caller's ``jit``; compiled on its own, a fresh one)."""
   # A barrier: inner.init mostly returns constants (zeros), and XLA would
   # otherwise constant-fold their whole encoding at compile time (seconds
   # per large leaf).
   outer = jax.lax.optimization_barrier(outer_def.flatten_up_to(inner_init(p)))
   specs = iter(leaf_specs)
-  mirrored = [_encode_new(x, next(specs), functools.partial(_rounding_key, seed, 0, i, k), p)
+  mirrored = [_encode_new(x, next(specs), functools.partial(_rounding_key, seed, 0, i, k), p,
+                          context)
               for k, (x, m) in enumerate(zip(outer, mirror)) if m]
   return mirrored, [x for x, m in zip(outer, mirror) if not m]
 
@@ -191,14 +195,14 @@ _init_leaf_jit = jax.jit(_init_leaf, static_argnums=(0, 1, 2, 3, 4))
 
 def _init_leaf_eager(static, leaf_specs, seed, p, i):
   """`_init_leaf` for a concrete parameter: compiled once per distinct leaf
-  signature (`sharding.follow_param` would compile once per leaf), then
+  signature (`_state_sharding.follow_param` would compile once per leaf), then
   placed like the parameter when it is sharded."""
   mirrored, shared = _init_leaf_jit(*static, leaf_specs, seed, p, i)
-  sharding = _sharding.leaf_sharding(p)
+  sharding = _state_sharding.leaf_sharding(p)
   if sharding is None:
     return mirrored, shared
-  mirrored = jax.device_put(mirrored, _sharding.shardings_like_param(sharding, tuple(p.shape),
-                                                                     mirrored))
+  mirrored = jax.device_put(mirrored, _state_sharding.shardings_like_param(
+      sharding, tuple(p.shape), mirrored))
   shared = jax.device_put(shared, jax.tree.map(
       lambda _: NamedSharding(sharding.mesh, PartitionSpec()), shared))
   return mirrored, shared
@@ -248,13 +252,15 @@ def _assemble(split: StateSplit, params_def, mirrors: list, results: list):
   return split.outer_def.unflatten(outer)
 
 
-def _sequential(fn, inputs: list, shared=None) -> list:
-  """``[fn(i, inputs[i], shared) for i]`` one leaf after another (see
-  `_leafwise.sequential_map`): ``fn`` returns ``(update, (mirrored,
-  shared))``, and the inputs of a leaf wait for the previous leaf's codes."""
+def _sequential(fn, inputs: list, shared=None, codecs=None) -> list:
+  """``[fn(context, i, inputs[i], shared) for i]`` one leaf after another
+  (see `_leafwise.sequential_map`, which makes each leaf's ``context``):
+  ``fn`` returns ``(update, (mirrored, shared))``, and the inputs of a leaf
+  wait for the previous leaf's codes."""
   return _leafwise.sequential_map(
-      lambda i, args: fn(i, _leafwise.after_previous_leaf(args), shared),
-      range(len(inputs)), inputs)
+      lambda context, i, args: fn(context, i, _leafwise.after_previous_leaf(args, context),
+                                  shared),
+      range(len(inputs)), inputs, codecs=codecs)
 
 
 def _not_separable(problem: Optional[str]) -> bool:
@@ -310,7 +316,8 @@ def _init_whole_tree(config: Config, split: StateSplit, specs: list, params_def,
       new_outer.append(node)
       continue
     new_outer.append(params_def.unflatten([
-        _encode_new(x, specs[k][i], functools.partial(_rounding_key, config.seed, count, i, k), p)
+        _encode_new(x, specs[k][i], functools.partial(_rounding_key, config.seed, count, i, k), p,
+                    LeafContext())
         for i, (x, p) in enumerate(zip(params_def.flatten_up_to(node), param_leaves))]))
   return split.outer_def.unflatten(new_outer)
 
@@ -336,10 +343,10 @@ def init(config: Config, params) -> QuantizedState:
   mirrors = [k for k, m in enumerate(split.mirror) if m]
   static = (config.inner.init, split.outer_def, tuple(split.mirror))
 
-  def init_leaf(i, p, _):
+  def init_leaf(context, i, p, _):
     leaf_specs = tuple(specs[k][i] for k in mirrors)
     if isinstance(p, jax.core.Tracer):  # inside the caller's jit
-      return None, _init_leaf(*static, leaf_specs, config.seed, p, i)
+      return None, _init_leaf(*static, leaf_specs, config.seed, p, i, context)
     return None, _init_leaf_eager(static, leaf_specs, config.seed, p, i)
 
   results = _sequential(init_leaf, params_def.flatten_up_to(params))
@@ -358,15 +365,16 @@ class _Step(NamedTuple):
   count: jax.Array     # the new rounding count
   extra_args: dict
   update_names: list
+  codecs: Any          # the backend's codecs (`optax4bit.dispatch.resolve`), or None
 
 
-def _encode_result(step: _Step, new, old, i: int, k: int):
+def _encode_result(step: _Step, new, old, i: int, k: int, context: LeafContext):
   """New state leaf ``new`` of parameter ``i`` at outer position ``k``,
   stored as the old one ``old`` is."""
   if not qarray.is_quantized(old):
     return new
   key = _rounding_key(step.config.seed, step.count, i, k) if old.spec.stochastic else None
-  return _encode(new, old, key, step.config.chunk_size)
+  return _encode(new, old, key, context, step.config.chunk_size)
 
 
 def _check_update_inputs(split: StateSplit) -> None:
@@ -382,8 +390,9 @@ def _update_whole_tree(step: _Step, updates, params, params_def, grads, mirror_l
   """``per_leaf=False``: decode everything, ``inner.update`` on the whole
   tree, encode everything."""
   split, chunk = step.split, step.config.chunk_size
+  context = LeafContext(step.codecs)  # the whole tree at once: nothing to order
   decoded = split.outer_def.unflatten([
-      params_def.unflatten([_decode(x, grads[i], chunk)
+      params_def.unflatten([_decode(x, grads[i], chunk, context)
                             for i, x in enumerate(mirror_leaves[k])]) if m else node
       for k, (node, m) in enumerate(zip(split.outer_leaves, split.mirror))])
   new_updates, new_state = step.config.inner.update(updates, decoded, params, **step.extra_args)
@@ -397,12 +406,12 @@ def _update_whole_tree(step: _Step, updates, params, params_def, grads, mirror_l
       out.append(new)
       continue
     out.append(params_def.unflatten(
-        [_encode_result(step, a, b, i, k)
+        [_encode_result(step, a, b, i, k, context)
          for i, (a, b) in enumerate(zip(params_def.flatten_up_to(new), mirror_leaves[k]))]))
   return new_updates, split.outer_def.unflatten(out)
 
 
-def _elementwise_update_leaf(step: _Step, i, g, stored, p, shared_in):
+def _elementwise_update_leaf(step: _Step, i, g, stored, p, shared_in, context: LeafContext):
   """One leaf's update through `_leafwise.update_leaf`: in chunks of rows for
   a large leaf, per shard for a sharded one."""
   split, inner = step.split, step.config.inner
@@ -416,7 +425,7 @@ def _elementwise_update_leaf(step: _Step, i, g, stored, p, shared_in):
                for k, x in zip(step.mirrors, stored))
   u, new_mirrored = _leafwise.update_leaf(leaf_step, g, tuple(stored),
                                           () if p is None else (p,), keys,
-                                          step.config.chunk_size)
+                                          step.config.chunk_size, context=context)
   # Shared outputs do not depend on the per-parameter inputs (checked by
   # is_elementwise): take them from a call on one row of zeros, which XLA
   # reduces to the few scalar operations that make them.
@@ -428,12 +437,13 @@ def _elementwise_update_leaf(step: _Step, i, g, stored, p, shared_in):
   return u, (list(new_mirrored), [x for x, m in zip(new_outer, split.mirror) if not m])
 
 
-def _whole_update_leaf(step: _Step, i, g, stored, p, shared_in):
+def _whole_update_leaf(step: _Step, i, g, stored, p, shared_in, context: LeafContext):
   """One leaf's update on the whole leaf: decode, ``inner.update``, encode."""
   split, chunk = step.split, step.config.chunk_size
   stored_it, shared_it = iter(stored), iter(shared_in)
   inner_state = split.outer_def.unflatten(
-      [_decode(next(stored_it), g, chunk) if m else next(shared_it) for m in split.mirror])
+      [_decode(next(stored_it), g, chunk, context) if m else next(shared_it)
+       for m in split.mirror])
   u, new_state = step.config.inner.update(g, inner_state, p, **step.extra_args)
   if tuple(np.shape(u)) != tuple(np.shape(g)):
     # A state field may have another shape than its parameter (GaLore), so a
@@ -450,7 +460,7 @@ def _whole_update_leaf(step: _Step, i, g, stored, p, shared_in):
         f"structure than it was given: {e}. {NOT_SEPARABLE_HINT}") from None
   new_mirrored = restart_beside_overflow([new_outer[k] for k in step.mirrors],
                                          [qarray.is_quantized(old) for old in stored])
-  mirrored = [_encode_result(step, new, old, i, k)
+  mirrored = [_encode_result(step, new, old, i, k, context)
               for new, old, k in zip(new_mirrored, stored, step.mirrors)]
   return u, (mirrored, [x for x, m in zip(new_outer, split.mirror) if not m])
 
@@ -471,19 +481,19 @@ def _update_per_leaf(step: _Step, grads, param_leaves, mirror_leaves):
                                                     split, step.extra_args)
     return elementwise_cache[signature]
 
-  def update_leaf(i, args, shared_in):
+  def update_leaf(context, i, args, shared_in):
     g, stored, p = args
     if (np.ndim(g) >= 1 and any(map(qarray.is_quantized, stored))
         and all(map(_validation.is_array_like, stored))  # not an entry that is a subtree
         and all(tuple(np.shape(x)) == tuple(np.shape(g)) for x in stored)
         and elementwise(g, stored, p, shared_in)):
-      return _elementwise_update_leaf(step, i, g, stored, p, shared_in)
-    return _whole_update_leaf(step, i, g, stored, p, shared_in)
+      return _elementwise_update_leaf(step, i, g, stored, p, shared_in, context)
+    return _whole_update_leaf(step, i, g, stored, p, shared_in, context)
 
   inputs = [(grads[i], [mirror_leaves[k][i] for k in step.mirrors], param_leaves[i])
             for i in range(len(grads))]
   shared = [x for x, m in zip(split.outer_leaves, split.mirror) if not m]
-  return _sequential(update_leaf, inputs, shared)
+  return _sequential(update_leaf, inputs, shared, step.codecs)
 
 
 def _function_argument_problem(extra_args: dict) -> Optional[str]:
@@ -506,12 +516,7 @@ def _decoded_abstract(tree):
 
 def update(config: Config, updates, state, params=None, **extra_args):
   """``quantize_state(...).update``, with the backend's 4-bit codecs where it
-  has them (`optax4bit.dispatch.codecs`)."""
-  with _codecs.using_codecs(_dispatch.codecs(config.implementation)):
-    return _update(config, updates, state, params, **extra_args)
-
-
-def _update(config: Config, updates, state, params=None, **extra_args):
+  has them (`optax4bit.dispatch.resolve`)."""
   if not isinstance(state, QuantizedState):
     raise ValueError(f"state must be the QuantizedState of quantize_state's init, got "
                      f"{type(state).__name__}.")
@@ -535,7 +540,8 @@ def _update(config: Config, updates, state, params=None, **extra_args):
   mirror_leaves = {k: params_def.flatten_up_to(split.outer_leaves[k]) for k in mirrors}
   update_names = leaf_names(updates)
   _check_update_inputs(split)
-  step = _Step(config, split, mirrors, count, extra_args, update_names)
+  step = _Step(config, split, mirrors, count, extra_args, update_names,
+               _dispatch.resolve(config.implementation).codecs)
   if config.per_leaf is False or (config.per_leaf is None and _not_separable(
       _function_argument_problem(extra_args) or update_problem(
           config.inner.update, jax.tree.map(abstract_leaf, updates),

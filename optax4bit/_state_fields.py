@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from optax4bit import _validation
-from optax4bit import recipes
+from optax4bit import _recipes
 from optax4bit.quant import array as qarray
 from optax4bit.quant.spec import QuantSpec, as_spec
 
@@ -177,7 +177,7 @@ def default_spec(kind: str, recipe: str) -> Optional[QuantSpec]:
   second-moment quantizer for non-negative ones."""
   if recipe == "paper" or kind == PARAMETER_COPY:
     return PAPER_SPECS[kind]
-  chosen = recipes.resolve(recipe)
+  chosen = _recipes.resolve(recipe)
   return chosen.second_moment if kind == NON_NEGATIVE else chosen.first_moment
 
 

@@ -14,12 +14,14 @@ huge first moment must not meet the finite value it is stored as.
 
 Steps are partials of module-level functions, not closures: the engine passes
 their traced arguments into ``shard_map`` explicitly (see
-`optax4bit.sharding.hoist_partial`).
+`optax4bit._shard_map.hoist_partial`). A backend's fused step gets a
+`FusedStep`: which step, and the hyperparameters its coefficients come from.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -136,3 +138,40 @@ def adam_coefficients(b1, b2, eps, eps_root, count_inc) -> jax.Array:
 
 def momentum_coefficients(momentum) -> jax.Array:
   return _vector(momentum)
+
+
+class FusedStep(NamedTuple):
+  """One leaf step for a backend to fuse: ``kind`` (``"adam"``,
+  ``"adam_nesterov"``, ``"factored"``, ``"momentum"``,
+  ``"momentum_nesterov"``; the keys of `optax4bit.pallas.optim.STEPS`) and the
+  hyperparameters of its coefficients (`adam_coefficients` for the Adam and
+  factored kinds, `momentum_coefficients` for momentum)."""
+  kind: str
+  b1: Any = None
+  b2: Any = None
+  eps: Any = None
+  eps_root: Any = None
+  count_inc: Any = None
+  momentum: Any = None
+
+  @classmethod
+  def adam(cls, b1, b2, eps, eps_root, count_inc, nesterov: bool) -> "FusedStep":
+    return cls("adam_nesterov" if nesterov else "adam", b1, b2, eps, eps_root, count_inc)
+
+  @classmethod
+  def factored(cls, b1, b2, eps, eps_root, count_inc) -> "FusedStep":
+    return cls("factored", b1, b2, eps, eps_root, count_inc)
+
+  @classmethod
+  def heavy_ball(cls, momentum, nesterov: bool) -> "FusedStep":
+    return cls("momentum_nesterov" if nesterov else "momentum", momentum=momentum)
+
+  @property
+  def nesterov(self) -> bool:
+    return self.kind.endswith("_nesterov")
+
+  def coefficients(self) -> jax.Array:
+    """The float32 coefficient vector the kernels of ``kind`` take."""
+    if self.kind.startswith("momentum"):
+      return momentum_coefficients(self.momentum)
+    return adam_coefficients(self.b1, self.b2, self.eps, self.eps_root, self.count_inc)

@@ -26,34 +26,77 @@ Every optimizer of the library takes ``implementation=``:
   backend (slow; for tests).
 * a `PallasConfig`: interpret mode and tiling options.
 
-The choice is made when the update is traced. A backend's fused steps
-(`optax4bit.pallas.steps.PallasSteps`, `optax4bit.cpu.ffi.CpuSteps`) decline
-the leaves their kernels do not cover, which then run the jnp reference.
+The choice is made once when the update is traced, by `resolve`, the one
+place that reads ``implementation``: it returns a `Backend`, whose fused
+steps (`optax4bit.pallas.steps.PallasSteps`, `optax4bit.cpu.ffi.CpuSteps`:
+`FusedSteps`) decline the leaves their kernels do not cover, which then run
+the jnp reference with the backend's codecs.
 
-Layers: `optax4bit.transform` asks `fused_steps` for a backend; the backends
-(`optax4bit.pallas`, `optax4bit.cpu`) share the step definitions and their
-coefficients (`optax4bit._steps`) and never import each other.
+Layers: `optax4bit.transform` and `optax4bit.quantize_state` ask `resolve`
+for a backend; the backends (`optax4bit.pallas`, `optax4bit.cpu`) share the
+step definitions and their coefficients (`optax4bit._steps`) and never import
+each other.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import NamedTuple, Optional, Protocol, Sequence, Union
 
 from optax4bit import cpu as _cpu
+from optax4bit._leaf_context import Codecs, LeafContext
 from optax4bit._platform import default_platform
+from optax4bit._steps import FusedStep
 from optax4bit._validation import IMPLEMENTATIONS
 from optax4bit.cpu import codec as _cpu_codec
 from optax4bit.cpu import ffi as _cpu_ffi
 from optax4bit.pallas import steps as _pallas_steps
 from optax4bit.pallas.steps import PallasConfig
 
-__all__ = ["IMPLEMENTATIONS", "Implementation", "check_implementation", "codecs", "fused_steps"]
+__all__ = ["IMPLEMENTATIONS", "Backend", "FusedSteps", "Implementation", "check_implementation",
+           "codecs", "fused_steps", "resolve"]
 
 Implementation = Union[str, PallasConfig]
 
 
-def check_implementation(implementation: Implementation) -> Implementation:
-  """Validates ``implementation`` (at construction time)."""
+class FusedSteps(Protocol):
+  """A backend's fused steps."""
+
+  def run(self, step: FusedStep, grad, moments: Sequence, side: Sequence = (),
+          keys: Optional[Sequence] = None, *, context: LeafContext) -> Optional[tuple]:
+    """``step`` on one leaf: ``(update, new_moments)``, or None where the
+    backend's kernels do not cover the leaf."""
+
+
+class Backend(NamedTuple):
+  """What runs an update: ``steps``, the fused steps (None: the jnp engine
+  runs every leaf), and ``codecs``, the 4-bit codecs the jnp engine runs in
+  place of its own (None: the jnp codecs)."""
+  steps: Optional[FusedSteps] = None
+  codecs: Optional[Codecs] = None
+
+
+def _invalid(implementation) -> ValueError:
+  return ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
+                    f"optax4bit.pallas.PallasConfig, got {implementation!r}.")
+
+
+def check_implementation(implementation: Implementation, *,
+                         fused: bool = True) -> Implementation:
+  """Validates ``implementation`` at construction time. ``fused=False``
+  (`optax4bit.quantize_state`, whose update is a black box): only ``"auto"``
+  and ``"jnp"``."""
+  if not fused:
+    if implementation in ("auto", "jnp"):
+      return implementation
+    if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
+      raise NotImplementedError(
+          "quantize_state wraps a black-box transformation: its update is whatever "
+          "inner.update computes, so it cannot be fused into a kernel "
+          f"(implementation={implementation!r}). Use implementation='auto' or 'jnp' (the "
+          "decode / encode around inner.update run as jnp), or a hand-written optimizer "
+          "(adamw_4bit, sgdm_4bit, ...) for fused kernels.")
+    raise ValueError(f"implementation must be 'auto' or 'jnp' for quantize_state, got "
+                     f"{implementation!r}.")
   if isinstance(implementation, PallasConfig):
     return implementation
   if implementation == "cpu" and not _cpu.available():
@@ -61,29 +104,52 @@ def check_implementation(implementation: Implementation) -> Implementation:
                      f"{_cpu.unavailable_reason()}.")
   if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
     return implementation
-  raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
-                   f"optax4bit.pallas.PallasConfig, got {implementation!r}.")
+  raise _invalid(implementation)
 
 
-def fused_steps(implementation: Implementation):
-  """The fused steps for ``implementation`` (`optax4bit.pallas.steps.PallasSteps`
-  or `optax4bit.cpu.ffi.CpuSteps`), or None for the jnp reference. Call while
-  tracing the update (``"auto"`` looks at the default device's platform)."""
-  if implementation == "cpu" or (implementation == "auto" and default_platform() == "cpu"
-                                 and _cpu.faster_than_jnp()):
-    return _cpu_ffi.CpuSteps()
-  config = _pallas_steps.resolve(implementation)
-  return None if config is None else _pallas_steps.PallasSteps(config.options)
+def resolve(implementation: Implementation, platform: Optional[str] = None) -> Backend:
+  """The `Backend` of ``implementation`` for an update compiled for
+  ``platform`` (``"cpu"``, ``"gpu"``, ...; default: the default device's,
+  `optax4bit._platform.default_platform`). Call once per trace of an update.
+
+  Example:
+    >>> from optax4bit import dispatch
+    >>> dispatch.resolve("jnp")
+    Backend(steps=None, codecs=None)
+    >>> dispatch.resolve("pallas_interpret").steps.options.interpret
+    True
+  """
+  if isinstance(implementation, PallasConfig):
+    return Backend(_pallas_steps.PallasSteps(implementation.options))
+  if implementation in ("pallas", "pallas_interpret"):
+    config = PallasConfig(interpret=implementation == "pallas_interpret")
+    return Backend(_pallas_steps.PallasSteps(config.options))
+  if implementation == "cpu":
+    return Backend(_cpu_ffi.CpuSteps(), _cpu_codec if _cpu_codec.registered() else None)
+  if implementation == "auto":
+    platform = default_platform() if platform is None else platform
+    if platform == "cpu":
+      return Backend(_cpu_ffi.CpuSteps() if _cpu.faster_than_jnp() else None,
+                     _cpu_codec if _cpu_codec.available() else None)
+    if platform == "gpu" and _pallas_steps.kernels_run_here():
+      return Backend(_pallas_steps.PallasSteps(PallasConfig().options))
+    return Backend()
+  if implementation == "jnp":
+    return Backend()
+  raise _invalid(implementation)
 
 
-def codecs(implementation: Implementation):
-  """The 4-bit codecs the jnp engine runs in place of its own where no fused
-  step covers a leaf (`optax4bit.quantize_state`, and leaves the fused steps
-  decline): the C++ kernel's (`optax4bit.cpu.codec`) for ``"cpu"``, and for
-  ``"auto"`` on the CPU where the kernel beats the jnp path; else
-  None (the jnp codecs). Call while tracing."""
-  if implementation == "cpu" and _cpu_codec.registered():
-    return _cpu_codec
-  if implementation == "auto" and default_platform() == "cpu" and _cpu_codec.available():
-    return _cpu_codec
-  return None
+def fused_steps(implementation: Implementation) -> Optional[FusedSteps]:
+  """``resolve(implementation).steps``: the fused steps, or None for the jnp
+  reference. Call while tracing the update."""
+  return resolve(implementation).steps
+
+
+def codecs(implementation: Implementation) -> Optional[Codecs]:
+  """``resolve(implementation).codecs``: the 4-bit codecs the jnp engine runs
+  in place of its own where no fused step covers a leaf
+  (`optax4bit.quantize_state`, and leaves the fused steps decline): the C++
+  kernel's (`optax4bit.cpu.codec`) for ``"cpu"``, and for ``"auto"`` on the
+  CPU where the kernel is installed; else None (the jnp codecs). Call while
+  tracing."""
+  return resolve(implementation).codecs

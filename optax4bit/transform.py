@@ -10,13 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax4bit import _codecs
 from optax4bit import _leafwise
 from optax4bit import _steps
 from optax4bit import _validation
 from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn
 from optax4bit import recipes as _recipes
-from optax4bit import sharding as _sharding
+from optax4bit import _state_sharding
 from optax4bit import dispatch as _dispatch
 from optax4bit.quant import array as qarray
 from optax4bit.quant.spec import QuantSpec, SpecLike
@@ -133,9 +132,9 @@ def _zeros_moment(leaf, spec: Optional[QuantSpec], dtype=None, real: bool = Fals
     if jnp.iscomplexobj(leaf):
       store = jnp.promote_types(
           jnp.real(jnp.zeros((), leaf.dtype)).dtype if real else leaf.dtype, store)
-    return _sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, store))
+    return _state_sharding.follow_param(leaf, lambda: jnp.zeros(leaf.shape, store))
   label = jnp.float32 if dtype is None else dtype
-  return _sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), label, spec))
+  return _state_sharding.follow_param(leaf, lambda: qarray.zeros(tuple(leaf.shape), label, spec))
 
 
 def _zeros_factored(shape: tuple) -> FactoredMoment:
@@ -216,12 +215,14 @@ def scale_by_adam_4bit(
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
     implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
-      the compiled kernel of `optax4bit.cpu` for 4-bit Adam, where it is
-      installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
-      ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
-      interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
-      see `optax4bit.dispatch`. Leaves the kernels do not cover
-      (float32, 8-bit, other quantizers) always use the jnp reference.
+      the compiled kernel of `optax4bit.cpu` for 4-bit and 8-bit Adam, where
+      it is installed and beats the jnp path (its AVX-512 and AVX2 builds);
+      the jnp reference elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
+      ``"pallas_interpret"`` (the Pallas kernels in interpret mode, any
+      backend) or an ``optax4bit.pallas.PallasConfig``; see
+      `optax4bit.dispatch`. Leaves the kernels do not cover (float32, other
+      quantizers; 8-bit ones on the Pallas kernels, while the C++ kernel runs
+      ``adamw_8bit``'s) use the jnp reference.
 
   Returns:
     An ``optax.GradientTransformation`` with `ScaleByAdam4bitState`.
@@ -260,17 +261,18 @@ def scale_by_adam_4bit(
     step = _steps.adam_step(b1, b2, eps, eps_root, count_inc, nesterov)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    fused = _dispatch.fused_steps(implementation)
+    backend = _dispatch.resolve(implementation)
+    fused_step = _steps.FusedStep.adam(b1, b2, eps, eps_root, count_inc, nesterov)
 
-    def leaf_fn(g, m, v, k):
-      out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, nesterov, k)
+    def leaf_fn(context, g, m, v, k):
+      out = backend.steps and backend.steps.run(fused_step, g, (m, v), (), k, context=context)
       if out:
         return out
-      return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk)
+      return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk, context=context)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    with _codecs.using_codecs(_dispatch.codecs(implementation)):
-      results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
+                                       codecs=backend.codecs)
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -283,7 +285,7 @@ def scale_by_adam_4bit(
 # Adam with a factored second moment ("4-bit Factor").
 
 
-def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size):
+def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size, context):
   """New row/column EMAs of the means of ``g**2`` over the last two axes.
 
   Returns the gradient as threaded through the chunked reduction (see
@@ -299,7 +301,7 @@ def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size):
     # For 2-D leaves the chunks split axis -2: column sums add up over chunks.
     return ((row,), (col,)) if g.ndim == 2 else ((row, col), ())
 
-  grad, row_stats, totals = _leafwise.grad_sums(grad, sums, chunk_size)
+  grad, row_stats, totals = _leafwise.grad_sums(grad, sums, chunk_size, context=context)
   row_sum = row_stats[0]
   col_sum = totals[0] if grad.ndim == 2 else row_stats[1]
   row = b2 * old.row + (1 - b2) * (row_sum / grad.shape[-1])
@@ -387,7 +389,7 @@ def scale_by_factored_adam_4bit(
       quantized = _validation.quantizable(p, flag, min_quantize_size)
       mu.append(_zeros_moment(p, m_spec if quantized else None))
       if quantized and len(p.shape) >= 2:
-        nu.append(_sharding.follow_param(p, functools.partial(_zeros_factored, p.shape)))
+        nu.append(_state_sharding.follow_param(p, functools.partial(_zeros_factored, p.shape)))
       else:
         nu.append(_zeros_moment(p, v_spec if quantized else None, real=True))
     return ScaleByFactoredAdam4bitState(jnp.zeros([], jnp.int32), treedef.unflatten(mu),
@@ -401,22 +403,26 @@ def scale_by_factored_adam_4bit(
     factored_step = _steps.factored_step(b1, b2, eps, eps_root, count_inc)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    fused = _dispatch.fused_steps(implementation)
+    backend = _dispatch.resolve(implementation)
+    fused = backend.steps
+    fused_adam = _steps.FusedStep.adam(b1, b2, eps, eps_root, count_inc, False)
+    fused_factored = _steps.FusedStep.factored(b1, b2, eps, eps_root, count_inc)
 
-    def leaf_fn(g, m, v, k):
+    def leaf_fn(context, g, m, v, k):
       if not isinstance(v, FactoredMoment):
-        out = fused and fused.adam(g, (m, v), b1, b2, eps, eps_root, count_inc, False, k)
-        return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk)
-      g, v = _factored_second_moment(g, v, b2, chunk)
+        out = fused and fused.run(fused_adam, g, (m, v), (), k, context=context)
+        return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk,
+                                            context=context)
+      g, v = _factored_second_moment(g, v, b2, chunk, context)
       side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
-      out = fused and fused.factored(g, m, side, b1, b2, eps, eps_root, count_inc, k[:1])
+      out = fused and fused.run(fused_factored, g, (m,), side, k[:1], context=context)
       update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
-                                                  chunk_size=chunk)
+                                                  chunk_size=chunk, context=context)
       return update, (m, v)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    with _codecs.using_codecs(_dispatch.codecs(implementation)):
-      results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys)
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
+                                       codecs=backend.codecs)
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -512,15 +518,17 @@ def scale_by_momentum_4bit(
 
     step = _steps.momentum_step(momentum, nesterov)
 
-    fused = _dispatch.fused_steps(implementation)
+    backend = _dispatch.resolve(implementation)
+    fused_step = _steps.FusedStep.heavy_ball(momentum, nesterov)
 
-    def leaf_fn(g, t, k):
-      out = fused and fused.momentum(g, t, momentum, nesterov, k)
-      return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk)
+    def leaf_fn(context, g, t, k):
+      out = backend.steps and backend.steps.run(fused_step, g, (t,), (), k, context=context)
+      return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk,
+                                          context=context)
 
     # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    with _codecs.using_codecs(_dispatch.codecs(implementation)):
-      results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys)
+    results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys,
+                                       codecs=backend.codecs)
     new_updates = treedef.unflatten([u for u, _ in results])
     trace = state_def.unflatten([t for _, (t,) in results])
     return new_updates, ScaleByMomentum4bitState(count_inc, trace)

@@ -51,28 +51,13 @@ import optax
 from optax4bit import _quantize_state as _impl
 from optax4bit import _state_fields
 from optax4bit import _validation
+from optax4bit import dispatch
 from optax4bit import recipes
 from optax4bit._quantize_state import QuantizedState
 from optax4bit._state_fields import KNOWN_STATE_FIELDS
 from optax4bit._validation import DEFAULT_MIN_QUANTIZE_SIZE, MaskOrFn
-from optax4bit.dispatch import IMPLEMENTATIONS
 
 __all__ = ["KNOWN_STATE_FIELDS", "QuantizedState", "quantize_state"]
-
-
-def _check_implementation(implementation) -> None:
-  """quantize_state accepts the names every optimizer does; only the jnp
-  path can run a black-box update."""
-  if implementation in ("auto", "jnp"):
-    return
-  if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
-    raise NotImplementedError(
-        f"quantize_state wraps a black-box transformation: its update is whatever inner.update "
-        f"computes, so it cannot be fused into a kernel (implementation={implementation!r}). "
-        "Use implementation='auto' or 'jnp' (the decode / encode around inner.update run as "
-        "jnp), or a hand-written optimizer (adamw_4bit, sgdm_4bit, ...) for fused kernels.")
-  raise ValueError(f"implementation must be 'auto' or 'jnp' for quantize_state, got "
-                   f"{implementation!r}.")
 
 
 def quantize_state(
@@ -203,7 +188,7 @@ def quantize_state(
   """
   if not isinstance(inner, optax.GradientTransformation):
     raise ValueError(f"inner must be an optax.GradientTransformation, got {inner!r}.")
-  _check_implementation(implementation)
+  dispatch.check_implementation(implementation, fused=False)
   min_quantize_size = _validation.check_static_int("min_quantize_size", min_quantize_size)
   chunk = _validation.check_chunk_size(chunk_size)
   if per_leaf not in (None, True, False):

@@ -37,7 +37,9 @@ import pytest  # noqa: E402
 import optax4bit  # noqa: E402
 import optax4bit.cpu  # noqa: E402
 from optax4bit.cpu import ffi as cpu_ffi  # noqa: E402
-from optax4bit import alias, dispatch, pallas  # noqa: E402
+from optax4bit import alias, dispatch  # noqa: E402
+from optax4bit._steps import FusedStep  # noqa: E402
+from optax4bit.pallas import steps as pallas_steps  # noqa: E402
 from optax4bit._platform import default_platform  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -260,7 +262,7 @@ def test_auto_follows_the_default_device_not_the_backend(monkeypatch):
 
 
 def test_dispatch_names():
-  assert pallas.resolve("cpu") is None  # not a Pallas config
+  assert not isinstance(dispatch.resolve("cpu").steps, pallas_steps.PallasSteps)
   steps = dispatch.fused_steps("jnp")
   assert steps is None
   if optax4bit.cpu.available():
@@ -638,7 +640,7 @@ def test_first_moment_kernels_bitwise_bf16_and_chunked(optimizer):
 
 @needs_kernel
 def test_first_moment_kernels_decline_what_they_do_not_cover():
-  """`CpuSteps.momentum` and `.factored` return None (the jnp path runs) for
+  """`CpuSteps.run` of the momentum and factored steps returns None (the jnp path runs) for
   leaves outside `covers_first_moment`."""
   steps = cpu_ffi.CpuSteps()
   key = jax.random.key(0)
@@ -648,12 +650,13 @@ def test_first_moment_kernels_decline_what_they_do_not_cover():
     return tx.init({"w": jnp.zeros(shape)}).trace["w"]
 
   def momentum(g, t, keys=(None,)):
-    return steps.momentum(g, t, 0.9, False, keys)
+    return steps.run(FusedStep.heavy_ball(0.9, False), g, (t,), (), keys)
 
   def factored(g, m, keys=(None,)):
     side = (jnp.ones(g.shape[:-1] + (1,)), jnp.ones(g.shape[:-2] + (1, g.shape[-1])),
             jnp.ones(g.shape[:-2] + (1, 1)))
-    return steps.factored(g, m, side, 0.9, 0.999, 1e-8, 0.0, jnp.int32(1), keys)
+    return steps.run(FusedStep.factored(0.9, 0.999, 1e-8, 0.0, jnp.int32(1)), g, (m,), side,
+                     keys)
 
   g = jnp.ones((4, 256))
   for run in (momentum, factored):

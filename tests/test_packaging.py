@@ -35,7 +35,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # What the sdist is built from (the tests are not part of the package).
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE", "optax4bit")
-KERNEL = "optax4bit/cpu/_adam_4bit" + importlib.machinery.EXTENSION_SUFFIXES[0]
+KERNEL = "optax4bit/cpu/_kernels" + importlib.machinery.EXTENSION_SUFFIXES[0]
 FALLBACK_LOG = "optax4bit runs its jnp path on CPU"
 
 
@@ -111,7 +111,7 @@ def test_sdist_holds_the_kernel_sources(dists):
     names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
   sources = {str(p.relative_to(ROOT)) for p in (ROOT / "optax4bit" / "cpu").glob("*")
              if p.suffix in (".cc", ".h")}
-  assert "optax4bit/cpu/adam_4bit.cc" in sources
+  assert "optax4bit/cpu/kernels.cc" in sources
   expected = _modules() | sources | {"setup.py", "pyproject.toml", "MANIFEST.in", "README.md",
                                      "LICENSE", "optax4bit/py.typed"}
   assert not expected - names, f"missing from the sdist: {expected - names}"
@@ -213,7 +213,7 @@ _ROWS_CHECK = r"""
 // Arguments: the gradient's tiny scale for every seventh element (0, or 1e-36 for subnormals),
 // the old block scales (0: the moments' first step), the 8-bit tables file, the ISA path
 // (kIsaPaths' name; baseline if not given). Exits with 3 where the path does not run.
-#include "optax4bit/cpu/adam_4bit.cc"  // -I the repository root
+#include "optax4bit/cpu/kernels.cc"  // -I the repository root
 #include "benchmarks/row_pass_args.h"
 
 #include <cstdio>

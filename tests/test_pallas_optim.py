@@ -37,7 +37,7 @@ import pytest
 
 import optax4bit
 from conftest import export_cuda, near_midpoint
-from optax4bit import pallas
+from optax4bit import dispatch, pallas
 from optax4bit.pallas import PallasConfig
 from optax4bit.pallas import steps as pallas_steps
 from optax4bit.quant import maps, normalize
@@ -301,11 +301,16 @@ def test_implementation_validation_and_auto():
     optax4bit.adamw_4bit(1e-3, implementation="triton")
   with pytest.raises(ValueError, match="tile_bytes"):
     PallasConfig(tile_bytes=100)
-  assert pallas.resolve("jnp") is None
-  assert pallas.resolve("pallas_interpret") == PallasConfig(interpret=True)
-  assert pallas.resolve("pallas") == PallasConfig()
-  expected = PallasConfig() if jax.default_backend() == "gpu" else None
-  assert pallas.resolve("auto") == expected
+  assert dispatch.resolve("jnp") == dispatch.Backend()
+  assert dispatch.resolve("pallas_interpret").steps.options == PallasConfig(interpret=True).options
+  assert dispatch.resolve("pallas").steps.options == PallasConfig().options
+  assert dispatch.resolve(PallasConfig(num_warps=8)).steps.options.num_warps == 8
+  auto = dispatch.resolve("auto").steps
+  if jax.default_backend() == "gpu":
+    assert auto.options == PallasConfig().options
+  else:
+    assert not isinstance(auto, pallas_steps.PallasSteps)
+  assert dispatch.resolve("auto", "tpu") == dispatch.Backend()
 
 
 def test_auto_runs_jnp_where_the_kernels_do_not_compile(monkeypatch, caplog):
@@ -324,17 +329,17 @@ def test_auto_runs_jnp_where_the_kernels_do_not_compile(monkeypatch, caplog):
   pallas_steps._kernels_compile.cache_clear()
   try:
     with caplog.at_level(logging.WARNING, logger=pallas_steps.__name__):
-      assert pallas.resolve("auto") is None
-      assert pallas.resolve("auto") is None
+      assert dispatch.resolve("auto", "gpu").steps is None
+      assert dispatch.resolve("auto", "gpu").steps is None
     assert probes == ["fail"]
     (record,) = caplog.records
     message = record.getMessage()
     assert "capability mock 8.0" in message and "RuntimeError: ptxas fatal: mocked" in message
     assert "\n" not in message
-    assert pallas.resolve("pallas") == PallasConfig()  # explicit choices are not probed
+    assert dispatch.resolve("pallas", "gpu").steps is not None  # explicit choices: no probe
     monkeypatch.setattr(pallas_steps, "_compute_capability", lambda: "mock 9.0")
     monkeypatch.setattr(pallas_steps, "_compile_probe", lambda: probes.append("ok"))
-    assert pallas.resolve("auto") == PallasConfig()
+    assert dispatch.resolve("auto", "gpu").steps.options == PallasConfig().options
     assert probes == ["fail", "ok"]
   finally:
     pallas_steps._kernels_compile.cache_clear()

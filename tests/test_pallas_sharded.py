@@ -1,7 +1,7 @@
 """Pallas kernels per shard: 8 virtual CPU devices, interpret mode.
 
 Under a mesh, ``implementation="pallas"`` runs each sharded leaf's kernels on
-its local block under ``jax.shard_map`` (via `optax4bit.sharding.per_shard`)
+its local block under ``jax.shard_map`` (via `optax4bit._shard_map.per_shard`)
 and combines rank-1 statistics with a cross-shard ``pmax``; the results must
 equal the jnp path's under the same mesh (same criteria as
 tests/test_pallas_optim.py: codes equal, scales within 2 ulps of the largest

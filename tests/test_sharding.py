@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import optax4bit
-from optax4bit import sharding
+from optax4bit import _shard_map, _state_sharding, sharding
 from subprocess_json import TESTS, run_json
 
 SCRIPT = os.path.join(TESTS, "sharding_checks.py")
@@ -57,7 +57,7 @@ def _moment(shape, spec="B128/DE"):
     ((256, 384), P(None, "model"), "Rank-1/Linear"),       # rank-1: any even split
 ])
 def test_alignment_ok(shape, spec, qspec):
-  sharding.check_alignment(_moment(shape, qspec), MESH, spec)
+  _state_sharding.check_alignment(_moment(shape, qspec), MESH, spec)
 
 
 @pytest.mark.parametrize("shape,spec,qspec,match", [
@@ -71,7 +71,7 @@ def test_alignment_ok(shape, spec, qspec):
 ])
 def test_alignment_errors(shape, spec, qspec, match):
   with pytest.raises(ValueError, match=match) as info:
-    sharding.check_alignment(_moment(shape, qspec), MESH, spec)
+    _state_sharding.check_alignment(_moment(shape, qspec), MESH, spec)
   assert "quantize_mask" in str(info.value)
 
 
@@ -80,18 +80,18 @@ def test_hoist_partial_passes_arrays_and_keeps_numbers():
     return a, b, c, d
 
   x = jnp.float32(2.0)
-  rebuild, consts = sharding.hoist_partial(functools.partial(f, 0.9, x, d=x))
+  rebuild, consts = _shard_map.hoist_partial(functools.partial(f, 0.9, x, d=x))
   assert len(consts) == 2 and all(c is x for c in consts)
   y = jnp.float32(3.0)
   assert rebuild((y, y))(5) == (0.9, y, 5, y)
-  rebuild, consts = sharding.hoist_partial(lambda a: a)
+  rebuild, consts = _shard_map.hoist_partial(lambda a: a)
   assert consts == () and rebuild(())(4) == 4
 
 
 def test_single_device_unchanged():
   """Unsharded (single-device) params never take the shard_map path."""
   params = {"w": jnp.ones((256, 256))}
-  assert sharding.leaf_sharding(params["w"]) is None
+  assert _state_sharding.leaf_sharding(params["w"]) is None
   tx = optax4bit.adamw_4bit(1e-3)
   state = jax.jit(tx.init)(params)
   updates, _ = jax.jit(tx.update)(params, state, params)
@@ -109,7 +109,7 @@ def test_state_shardings_any_optax_transform():
 
 
 def test_module_doctests():
-  for module in (sharding,):
+  for module in (sharding, _state_sharding):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0, module.__name__
 

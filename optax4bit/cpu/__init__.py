@@ -10,7 +10,7 @@ rows) quantized with the default recipe (``B128/NF``
 stochastic, ``Rank-1/SqrtDE-0``), the paper's (``B128/DE``,
 ``Rank-1/Linear``) or ``adamw_8bit``'s (``B256/DE``, 8 bits) through it;
 ``implementation="cpu"`` asks for it explicitly and ``"jnp"`` turns it off.
-It is built at install time from ``adam_4bit.cc`` when a C++17 compiler is
+It is built at install time from ``kernels.cc`` when a C++17 compiler is
 found; without one optax4bit installs and runs its jnp implementation.
 See `optax4bit.cpu.ffi` for the design.
 

@@ -1,9 +1,11 @@
-// Row kernels of the fused 4-bit Adam step of adam_4bit.cc: the new moments,
+// Row kernels of the fused 4-bit Adam step of adam_4bit_ffi.h: the new moments,
 // the update and the two row passes (StatsRows, ApplyRows), which code the
 // moments with the encoders of encode_rows.h. isa_path_rows.h includes this
 // file once per ISA path, after vector_ops.h and encode_rows.h, each time
 // inside the path's namespace and under its `#pragma GCC target` (no include
 // guard).
+#ifndef OPTAX4BIT_CPU_ADAM_4BIT_ROWS_H_  // once per ISA path: isa_path_rows.h resets it
+#define OPTAX4BIT_CPU_ADAM_4BIT_ROWS_H_
 
 // Row kernels. A row of d = 2h elements is split into its even and odd
 // elements (the low and high nibbles of the packed code bytes): x[0, h) holds
@@ -288,3 +290,5 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
     }
   }
 }
+
+#endif  // OPTAX4BIT_CPU_ADAM_4BIT_ROWS_H_

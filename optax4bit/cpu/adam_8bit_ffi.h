@@ -1,7 +1,8 @@
 // The fused step of 8-bit Adam (optax4bit.adamw_8bit): one FFI call per
-// leaf, on the row kernels of adam_8bit_rows.h. Included at the end of
-// adam_4bit.cc (no include guard), whose ISA paths, thread splitting and
-// checks it shares.
+// leaf, on the row kernels of adam_8bit_rows.h. Included once at the end of
+// kernels.cc, whose ISA paths, thread splitting and checks it shares.
+#ifndef OPTAX4BIT_CPU_ADAM_8BIT_FFI_H_
+#define OPTAX4BIT_CPU_ADAM_8BIT_FFI_H_
 
 namespace {
 
@@ -69,44 +70,6 @@ ffi::Error Apply8bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 
 }  // namespace
 
-#ifndef OPTAX4BIT_JAXLIB_VERSION
-#define OPTAX4BIT_JAXLIB_VERSION "unknown"
-#endif
-
-// The jaxlib whose FFI headers this library was built against: XLA runs
-// handlers built against older headers, not newer ones.
-extern "C" const char* Optax4bitBuildJaxlibVersion() { return OPTAX4BIT_JAXLIB_VERSION; }
-
-// The ISA paths this CPU runs, best first, comma-separated
-// ("avx512,avx2,baseline" on an AVX-512 x86-64 machine).
-extern "C" const char* Optax4bitCpuIsas() {
-  static const std::string names = [] {
-    std::string r;
-    for (const IsaPath& path : kIsaPaths) {
-      if (path.runs()) r += (r.empty() ? "" : ",") + std::string(path.name);
-    }
-    return r;
-  }();
-  return names.c_str();
-}
-
-// The ISA path the calls run.
-extern "C" const char* Optax4bitCpuIsa() { return CurrentIsaPath().load()->name; }
-
-// Makes later calls run the ISA path `name` (for tests and benchmarks);
-// returns 0 and changes nothing where this CPU does not run it.
-extern "C" int Optax4bitUseCpuIsa(const char* name) {
-  for (const IsaPath& path : kIsaPaths) {
-    if (std::strcmp(path.name, name) == 0 && path.runs()) {
-      CurrentIsaPath().store(&path);
-      return 1;
-    }
-  }
-  return 0;
-}
-
-}  // namespace
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam8bitApply, Apply8bitImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -125,3 +88,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam8bitApply, Apply8bitImpl,
                                   .Ret<ffi::Buffer<ffi::U8>>()   // v codes (in place)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // v block scales (in place)
 );
+
+#endif  // OPTAX4BIT_CPU_ADAM_8BIT_FFI_H_

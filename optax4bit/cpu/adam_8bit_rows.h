@@ -2,6 +2,8 @@
 // isa_path_rows.h includes this file after adam_4bit_rows.h in each ISA path's
 // namespace (no include guard): it shares vector_ops.h's vectors and that
 // file's Update, NesterovUpdate and RestartOverflowed.
+#ifndef OPTAX4BIT_CPU_ADAM_8BIT_ROWS_H_  // once per ISA path: isa_path_rows.h resets it
+#define OPTAX4BIT_CPU_ADAM_8BIT_ROWS_H_
 
 // 8-bit Adam (adamw_8bit): both moments block-wise, blocks of kBlock8
 // elements of a row, 256-entry maps (a code a byte), nearest rounding. A row
@@ -188,3 +190,5 @@ void Apply8bitRows(const Apply8bitRowsArgs& a, int64_t lo, int64_t hi, float* sc
     EncodeMoment8(h, v, v_rounding, a.v_scales_out + i * blocks, a.v_out + i * d);
   }
 }
+
+#endif  // OPTAX4BIT_CPU_ADAM_8BIT_ROWS_H_

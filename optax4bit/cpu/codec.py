@@ -48,9 +48,9 @@ _RANK1_MAPS = ("Linear", "SqrtDE-0")
 @functools.cache
 def registered() -> bool:
   """Whether the library loads; registers the codecs' targets once."""
-  if not ffi.available():
+  library = ffi.library()
+  if library is None:
     return False
-  library = ffi._library  # pylint: disable=protected-access
   for name, symbol in ((_DECODE, library.Optax4bitDecode4bit),
                        (_ENCODE_BLOCK, library.Optax4bitEncodeBlock4bit),
                        (_ENCODE_RANK1, library.Optax4bitEncodeRank14bit)):

@@ -1,7 +1,9 @@
 // The 4-bit codecs' FFI calls (optax4bit/cpu/codec.py): decode and encode
-// of one quantized array on the row kernels of codec_rows.h. Included at the
-// end of adam_4bit.cc (no include guard), whose ISA paths, thread splitting
-// and checks they share.
+// of one quantized array on the row kernels of codec_rows.h. Included once
+// at the end of kernels.cc, whose ISA paths, thread splitting and checks
+// they share.
+#ifndef OPTAX4BIT_CPU_CODEC_FFI_H_
+#define OPTAX4BIT_CPU_CODEC_FFI_H_
 
 namespace {
 
@@ -167,3 +169,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitEncodeRank14bit, EncodeRank14bitImpl,
                                   .Attr<bool>("linear")
                                   .Ret<ffi::Buffer<ffi::U8>>()   // codes (rows, d / 2)
 );
+
+#endif  // OPTAX4BIT_CPU_CODEC_FFI_H_

@@ -6,6 +6,8 @@
 //
 // Rows hold d = 2h values in their natural order; codes pack element 2j in
 // the low nibble of byte j and element 2j + 1 in the high one.
+#ifndef OPTAX4BIT_CPU_CODEC_ROWS_H_  // once per ISA path: isa_path_rows.h resets it
+#define OPTAX4BIT_CPU_CODEC_ROWS_H_
 
 
 // Splits a row of 2h values into its even (x[0, h)) and odd (x[h, 2h)) ones.
@@ -70,3 +72,5 @@ void EncodeRank1Rows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* scra
                        a.inv_col_even, a.inv_col_odd, thresholds4, a.codes_out + i * h);
   }
 }
+
+#endif  // OPTAX4BIT_CPU_CODEC_ROWS_H_

@@ -4,6 +4,8 @@
 // scales, and the second moment's rank-1 levels. isa_path_rows.h includes
 // this file once per ISA path, after vector_ops.h, inside the path's
 // namespace and under its `#pragma GCC target` (no include guard).
+#ifndef OPTAX4BIT_CPU_ENCODE_ROWS_H_  // once per ISA path: isa_path_rows.h resets it
+#define OPTAX4BIT_CPU_ENCODE_ROWS_H_
 
 // Binary search over 15 sorted bounds b[0..14]: the number of bounds below x
 // (x > b, or x >= b if kInclusive), by 4 compares, as
@@ -330,3 +332,4 @@ void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
   }
 }
 
+#endif  // OPTAX4BIT_CPU_ENCODE_ROWS_H_

@@ -1,8 +1,9 @@
 """The fused XLA CPU kernels of the 4-bit optimizers and of 8-bit Adam, called
 through ``jax.ffi``.
 
-The C++ library (``adam_4bit.cc``, built by ``setup.py`` as an optional
-extension) registers FFI targets for XLA's CPU backend. Its row kernels
+The C++ library (``kernels.cc``, built by ``setup.py`` as an optional
+extension; the handlers of each step in its ``*_ffi.h``) registers FFI
+targets for XLA's CPU backend. Its row kernels
 (``encode_rows.h`` and ``adam_4bit_rows.h``, one set shared by all steps;
 ``first_moment_rows.h`` runs them for the steps without a quantized second
 moment) are compiled per ISA path (`isas`); calls run the best one this CPU
@@ -45,7 +46,7 @@ the same.
 
 It computes what the jnp reference computes, in the form XLA's CPU backend
 compiles it to for a leaf the jnp path runs in chunks (every leaf of two rows
-or more; see ``adam_4bit.cc``): codes, scales and updates are bit for bit
+or more; see ``kernels.cc``): codes, scales and updates are bit for bit
 those of ``implementation="jnp"`` there, stochastic rounding included (its
 draws are `optax4bit.quant.maps.hashed_uniform`'s). For a one-row leaf XLA
 compiles the reference's Adam update differently and the two may differ in the
@@ -68,8 +69,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax4bit import sharding as _sharding
-from optax4bit._steps import adam_coefficients, momentum_coefficients
+from optax4bit._fused_leaf import run_fused
+from optax4bit._leaf_context import LeafContext, shard_position
+from optax4bit._steps import FusedStep, adam_coefficients
 from optax4bit.cpu.kernel_call import kernel_call
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
@@ -78,7 +80,7 @@ from optax4bit.quant.spec import QuantSpec
 __all__ = ["available", "faster_than_jnp", "isa", "isas", "unavailable_reason", "covers",
            "covers_first_moment", "adam_leaf", "first_moment_leaf", "CpuSteps"]
 
-_LIBRARY = "_adam_4bit"
+_LIBRARY = "_kernels"
 _STATS_TARGET = "optax4bit_adam_4bit_stats"
 _APPLY_TARGET = "optax4bit_adam_4bit_apply"
 _FIRST_MOMENT_TARGET = "optax4bit_first_moment_apply"
@@ -290,6 +292,12 @@ def _use_isa(name: str) -> None:
     raise ValueError(f"this CPU runs the ISA paths {isas()}, not {name!r}")
 
 
+def library() -> Optional[ctypes.CDLL]:
+  """The loaded C++ library (its codecs' handlers live there too,
+  `optax4bit.cpu.codec`), or None where it is unavailable."""
+  return None if _load() is not None else _library
+
+
 def unavailable_reason() -> Optional[str]:
   """Why `available` is False (None when it is True)."""
   return _load()
@@ -417,21 +425,22 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
                                 v_linear=np.bool_(v.spec.mapping == "Linear"))
 
 
-def _row_bases(shape):
-  """Each row's flat index in the whole leaf (global on a shard), for the
-  stochastic rounding hash."""
-  shard = _sharding.shard_origin()
-  return (maps.row_hash_bases(shape) if shard is None else
-          maps.row_hash_bases(shape, shard[1], shard[0]))
+def _row_bases(shape, shard=None):
+  """Each row's flat index in the whole leaf (global on a ``shard``, an
+  `optax4bit._leaf_context.Shard`), for the stochastic rounding hash."""
+  position = shard_position(shard)
+  return (maps.row_hash_bases(shape) if position is None else
+          maps.row_hash_bases(shape, position[1], position[0]))
 
 
-def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(None, None)):
+def adam_leaf(grad, moments, coef, nesterov: bool, shard=None, keys=(None, None)):
   """One Adam step of a leaf `covers` accepts; returns ``(update, (m, v))``.
 
-  ``coef``: `_coefficients`. ``reduce_scales``: see
-  `optax4bit.sharding.per_shard` (turns a shard's rank-1 maxima into global
-  ones). ``keys``: one PRNG key (or None) per moment; a moment rounded
-  stochastically needs one (its draws are those of `maps.hashed_uniform`).
+  ``coef``: `_coefficients`. ``shard``: the `optax4bit._leaf_context.Shard`
+  run (its ``reduce_scales`` turns a shard's rank-1 maxima into global ones),
+  or None for a whole leaf. ``keys``: one PRNG key (or None) per moment; a
+  moment rounded stochastically needs one (its draws are those of
+  `maps.hashed_uniform`).
   """
   m, v = moments
   seeds = _seeds(moments, keys)
@@ -440,17 +449,17 @@ def adam_leaf(grad, moments, coef, nesterov: bool, reduce_scales=None, keys=(Non
   v_rows = QuantizedArray(v.codes, _rank1_row_scales(v.scales, rows), v.spec, v.shape, v.dtype)
   layout = normalize.layout_for(v.spec, v.shape)
   new_scales = _rank1_axis_maxima(*_stats_call(g, m, v_rows, coef), layout, g.shape)
-  if reduce_scales is not None:
-    new_scales = tuple(reduce_scales(new_scales, layout))
+  if shard is not None:
+    new_scales = tuple(shard.reduce_scales(new_scales, layout))
   update, m_codes, block_scales, v_codes = _apply_call(
       g, m, v_rows, _rank1_row_scales(new_scales, rows, encode=True), coef, nesterov, seeds,
-      _row_bases(g.shape))
+      _row_bases(g.shape, shard))
   new_m = QuantizedArray(m_codes, (block_scales,), m.spec, m.shape, m.dtype)
   new_v = QuantizedArray(v_codes, tuple(new_scales), v.spec, v.shape, v.dtype)
   return update.astype(grad.dtype), (new_m, new_v)
 
 
-def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=None):
+def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=None, shard=None):
   """One step of a leaf `covers_first_moment` accepts whose only quantized
   moment is the first; returns ``(update, m)``.
 
@@ -458,7 +467,8 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
   `optax4bit._steps.momentum_coefficients`) or ``"factored"`` (``coef``:
   `_coefficients`; ``side``: the ``(row, col, row_mean)`` of the factored
   second moment, see `optax4bit._steps.factored_step`). ``key``: the PRNG key
-  of a first moment rounded stochastically (else None).
+  of a first moment rounded stochastically (else None). ``shard``: as in
+  `adam_leaf` (block scales need no other shard: only its position counts).
   """
   (block_scales,) = m.scales
   g = grad.astype(jnp.float32)
@@ -475,7 +485,7 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
       _FIRST_MOMENT_TARGET, out_types, input_output_aliases={0: 0, 1: 1, 2: 2},
       vmap_method="sequential")(g, m.codes, block_scales, coef,
                                 jnp.asarray(_first_moment_tables(m.spec.mapping)), seed,
-                                _row_bases(g.shape), *factors, step=step,
+                                _row_bases(g.shape, shard), *factors, step=step,
                                 m_stochastic=np.bool_(m.spec.stochastic))
   new_m = QuantizedArray(codes, (block_scales,), m.spec, m.shape, m.dtype)
   return update.astype(grad.dtype), new_m
@@ -508,56 +518,57 @@ def adam_8bit_leaf(grad, moments, coef, nesterov: bool):
 
 
 class CpuSteps:
-  """The fused steps of `optax4bit.dispatch.fused_steps` on XLA's CPU
-  backend: Adam, Adam with a factored second moment and momentum; every
-  method returns ``(update, new_moments)`` or None where the kernel does not
-  cover the leaf (the caller runs the jnp path)."""
+  """The fused steps of `optax4bit.dispatch.resolve` on XLA's CPU backend:
+  Adam, Adam with a factored second moment and momentum."""
 
-  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None):
+  def run(self, step: FusedStep, grad, moments, side=(), keys=None, *,
+          context: LeafContext = LeafContext()):
+    """``step`` on one leaf: ``(update, new_moments)``, or None where the
+    kernel does not cover the leaf (the caller runs the jnp path). ``side``:
+    for ``"factored"``, the ``(row, col, row_mean)`` of the (already updated)
+    factored second moment, as `optax4bit.transform` computes them; ``keys``:
+    one PRNG key (or None) per moment; ``context``: the leaf's."""
     moments = tuple(moments)
+    if step.kind.startswith("adam"):
+      return self._adam(grad, moments, step, keys, context)
+    coef = (_coefficients(step.b1, step.b2, step.eps, step.eps_root, step.count_inc)
+            if step.kind == "factored" else step.coefficients())
+    return self._first_moment(step.kind, grad, moments[0], side, coef, keys, context)
+
+  def _adam(self, grad, moments, step: FusedStep, keys, context):
+    nesterov = step.nesterov
     if not covers(grad, moments):
       return None
     keys = (None,) * len(moments) if keys is None else tuple(keys)
     if any(m.spec.stochastic and k is None for m, k in zip(moments, keys)):
       return None  # the jnp path raises its error
-    coef = _coefficients(b1, b2, eps, eps_root, count_inc)
+    coef = _coefficients(step.b1, step.b2, step.eps, step.eps_root, step.count_inc)
 
-    def local(g, local_moments, side, local_keys, reduce_scales, consts):
+    def local(g, local_moments, side, local_keys, shard, consts):
       del side
       if _is_8bit(local_moments):
         return adam_8bit_leaf(g, local_moments, consts[0], nesterov)
-      return adam_leaf(g, local_moments, consts[0], nesterov, reduce_scales, local_keys)
+      return adam_leaf(g, local_moments, consts[0], nesterov, shard, local_keys)
 
-    return _sharding.run_fused(
+    return run_fused(
         local, grad, moments, (), (coef,),
-        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments), keys,
-        hashes_global_index=True)
+        lambda local_shape: covers(jax.ShapeDtypeStruct(local_shape, grad.dtype), moments),
+        context, keys, hashes_global_index=True)
 
-  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None):
-    """``side``: ``(row, col, row_mean)`` of the (already updated) factored
-    second moment, as `optax4bit.transform` computes them."""
-    return self._first_moment("factored", grad, moment, side,
-                              _coefficients(b1, b2, eps, eps_root, count_inc), keys)
-
-  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None):
-    return self._first_moment("momentum_nesterov" if nesterov else "momentum", grad, trace, (),
-                              momentum_coefficients(momentum), keys)
-
-  def _first_moment(self, step, grad, moment, side, coef, keys):
+  def _first_moment(self, step, grad, moment, side, coef, keys, context):
     if not covers_first_moment(grad, moment):
       return None
     keys = (None,) if keys is None else tuple(keys)
     if moment.spec.stochastic and keys[0] is None:
       return None  # the jnp path raises its error
 
-    def local(g, local_moments, local_side, local_keys, reduce_scales, consts):
-      del reduce_scales  # block scales need no other shard
+    def local(g, local_moments, local_side, local_keys, shard, consts):
       update, m = first_moment_leaf(step, g, local_moments[0], consts[0], local_side,
-                                    local_keys[0])
+                                    local_keys[0], shard)
       return update, (m,)
 
-    return _sharding.run_fused(
+    return run_fused(
         local, grad, (moment,), tuple(side), (coef,),
         lambda local_shape: covers_first_moment(
-            jax.ShapeDtypeStruct(local_shape, grad.dtype), moment), keys,
+            jax.ShapeDtypeStruct(local_shape, grad.dtype), moment), context, keys,
         hashes_global_index=True)

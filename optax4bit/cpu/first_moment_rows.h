@@ -1,9 +1,11 @@
 // Row kernels of the fused steps whose only quantized moment is the first,
-// heavy-ball momentum and Adam with a factored second moment (adam_4bit.cc:
-// Optax4bitFirstMomentApply). isa_path_rows.h includes this file after
+// heavy-ball momentum and Adam with a factored second moment
+// (first_moment_ffi.h: Optax4bitFirstMomentApply). isa_path_rows.h includes this file after
 // encode_rows.h and adam_4bit_rows.h in each ISA path's namespace: these rows
 // run their first-moment kernels (decode, EncodeFirstMoment,
 // FirstMomentRounding) and Adam's update (UpdateV, UpdateT).
+#ifndef OPTAX4BIT_CPU_FIRST_MOMENT_ROWS_H_  // once per ISA path: isa_path_rows.h resets it
+#define OPTAX4BIT_CPU_FIRST_MOMENT_ROWS_H_
 
 // The trace g + momentum t of one row (t decoded by table permutes) and the
 // update: the trace, or g + momentum * trace with Nesterov. XLA fuses each
@@ -166,3 +168,5 @@ void FirstMomentRows(const FirstMomentRowsArgs& a, int64_t lo, int64_t hi, float
     }
   }
 }
+
+#endif  // OPTAX4BIT_CPU_FIRST_MOMENT_ROWS_H_

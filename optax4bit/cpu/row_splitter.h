@@ -1,6 +1,8 @@
 // Splitting a leaf's rows over threads for the kernel's FFI calls
-// (adam_4bit.cc includes it once, inside its anonymous namespace, after
-// FlushDenormals and kGrainElements; no include guard).
+// (kernels.cc includes it once, inside its anonymous namespace, after
+// FlushDenormals and kGrainElements).
+#ifndef OPTAX4BIT_CPU_ROW_SPLITTER_H_
+#define OPTAX4BIT_CPU_ROW_SPLITTER_H_
 
 // Process-wide worker threads, started on first use. XLA's intra-op pool
 // (ffi::ThreadPool) is busy while a custom call runs on it: tasks scheduled
@@ -99,3 +101,5 @@ void RunRows(ffi::ThreadPool& pool, int64_t rows, int64_t d, int64_t scratch_row
     rows_fn(args, lo, hi, scratch[worker].data());
   });
 }
+
+#endif  // OPTAX4BIT_CPU_ROW_SPLITTER_H_

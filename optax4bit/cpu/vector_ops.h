@@ -4,6 +4,8 @@
 // namespace and under its `#pragma GCC target` (no include guard).
 // OPTAX4BIT_ROWS_AVX512 is 1 in the AVX-512 path, OPTAX4BIT_ROWS_AVX2 in the
 // AVX2 path, OPTAX4BIT_ROWS_NEON in the baseline path on aarch64.
+#ifndef OPTAX4BIT_CPU_VECTOR_OPS_H_  // once per ISA path: isa_path_rows.h resets it
+#define OPTAX4BIT_CPU_VECTOR_OPS_H_
 
 // Vectors of kLanes floats or ints (GCC/Clang vector extensions), as wide as
 // the path's registers: 16 lanes with AVX-512, where a 16-entry table lookup is
@@ -266,3 +268,5 @@ inline uint32_t HorizontalMax(VU x) {
   for (int k = 0; k < kLanes; ++k) r = x[k] > r ? x[k] : r;
   return r;
 }
+
+#endif  // OPTAX4BIT_CPU_VECTOR_OPS_H_

@@ -10,7 +10,7 @@
   stats pass for their maxima.
 * `optax4bit.pallas.steps`: the fused steps of one leaf and `PallasConfig`;
   every optimizer takes ``implementation="pallas" | "pallas_interpret"`` or a
-  `PallasConfig` (see `optax4bit.dispatch`).
+  `PallasConfig` (`optax4bit.dispatch.resolve` picks the backend).
 
 The jnp implementation is the reference. In interpret mode the quantizer
 kernels reproduce it bit for bit; the fused steps match it to a few ulps of
@@ -20,7 +20,7 @@ differ), with codes equal where no value sits on a rounding boundary.
 """
 
 from optax4bit._validation import IMPLEMENTATIONS
-from optax4bit.pallas.steps import PallasConfig, resolve
+from optax4bit.pallas.steps import PallasConfig
 from optax4bit.pallas.quant import dequantize, quantize
 
-__all__ = ["IMPLEMENTATIONS", "PallasConfig", "dequantize", "quantize", "resolve"]
+__all__ = ["IMPLEMENTATIONS", "PallasConfig", "dequantize", "quantize"]

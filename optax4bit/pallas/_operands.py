@@ -74,7 +74,7 @@ def scales_from_partials(fmt: Format, geo: Geometry, row_part: jax.Array,
   ``row_part``: ``(R, num_segs)``, max |x| per row segment; ``col_part``:
   ``(row_tiles, D)``, max |x| per row tile and column (rank-1 only).
   ``reduce_scales(scales, layout)`` turns rank-1/tensor scales of a shard
-  into those of the global tensor (see `optax4bit.sharding.per_shard`).
+  into those of the global tensor (see `optax4bit._shard_map.per_shard`).
   """
   shape = geo.shape
   layout = normalize.layout_for(fmt.spec, shape)

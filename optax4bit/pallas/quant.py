@@ -19,7 +19,7 @@ import numpy as np
 
 from optax4bit.pallas import _engine, _geometry
 from optax4bit.quant import maps
-from optax4bit.quant.array import QuantizedArray, _check_input
+from optax4bit.quant.array import QuantizedArray, check_input
 from optax4bit.quant.spec import SpecLike, as_spec
 
 __all__ = ["quantize", "dequantize"]
@@ -67,7 +67,7 @@ def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None,
     True
   """
   spec = as_spec(spec)
-  x = _check_input(x, "x")
+  x = check_input(x, "x")
   _geometry.check_spec(spec)
   if spec.stochastic and key is None:
     raise ValueError(f"spec {spec} rounds stochastically and needs a PRNG `key`.")

@@ -11,12 +11,12 @@ becomes a uint32 seed (`optax4bit.quant.maps.rounding_seed`) and the kernel
 hashes each element's flat index in the global leaf
 (`optax4bit.quant.maps.hashed_uniform`).
 
-Sharded leaves (see `optax4bit.sharding`) run the kernels per shard under
-``jax.shard_map``, exactly like the jnp reference does: block-wise scales
-are local, rank-1 and tensor statistics are reduced with a cross-shard
-``pmax``, so results equal the unsharded run.
+Sharded leaves (see `optax4bit.sharding`) run the kernels per shard
+(`optax4bit._fused_leaf`) exactly like the jnp reference does: block-wise
+scales are local, rank-1 and tensor statistics are reduced with a
+cross-shard ``pmax``, so results equal the unsharded run.
 
-Which backend runs is chosen in `optax4bit.dispatch`. ``"auto"`` uses these
+Which backend runs is chosen by `optax4bit.dispatch.resolve`. ``"auto"`` uses these
 kernels on a CUDA GPU only where they compile: once per process and compute
 capability the fused AdamW steps of both recipes are compiled for the default
 device, and if that fails ``auto`` runs the jnp reference and logs one line
@@ -29,24 +29,24 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax4bit import recipes
-from optax4bit import sharding as _sharding
+from optax4bit import _recipes
+from optax4bit._fused_leaf import run_fused
+from optax4bit._leaf_context import LeafContext, shard_position
 from optax4bit._platform import default_platform
-from optax4bit._steps import adam_coefficients, momentum_coefficients
-from optax4bit._validation import IMPLEMENTATIONS
+from optax4bit._steps import FusedStep
 from optax4bit.pallas import _engine, _geometry
 from optax4bit.pallas.optim import STEPS
 from optax4bit.quant import array as qarray
 from optax4bit.quant import maps
 from optax4bit.quant.array import QuantizedArray
 
-__all__ = ["PallasConfig", "PallasSteps", "resolve"]
+__all__ = ["PallasConfig", "PallasSteps", "kernels_run_here"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -121,14 +121,14 @@ def _compile_probe() -> None:
   rank-1 encodes, nearest and stochastic rounding); raises what XLA's Triton
   or ptxas raise."""
   shape = (3, 301)
-  for recipe in recipes.RECIPES.values():
+  for recipe in _recipes.RECIPES.values():
     moments = (qarray.zeros(shape, jnp.float32, recipe.first_moment),
                qarray.zeros(shape, jnp.float32, recipe.second_moment))
 
     def step(grad, moments):
       keys = (jax.random.key(0), jax.random.key(1))
-      return PallasSteps(PallasConfig().options).adam(grad, moments, 0.9, 0.999, 1e-8, 0.0,
-                                                      jnp.int32(1), False, keys)
+      return PallasSteps(PallasConfig().options).run(
+          FusedStep.adam(0.9, 0.999, 1e-8, 0.0, jnp.int32(1), False), grad, moments, keys=keys)
 
     jax.jit(step).lower(jax.ShapeDtypeStruct(shape, jnp.float32), moments).compile()
 
@@ -148,24 +148,11 @@ def _kernels_compile(capability: str) -> bool:
   return True
 
 
-def resolve(implementation: Union[str, PallasConfig]) -> Optional[PallasConfig]:
-  """The `PallasConfig` to use, or None for the jnp reference.
-
-  Example:
-    >>> from optax4bit import pallas
-    >>> pallas.resolve("jnp") is None, pallas.resolve("pallas_interpret").interpret
-    (True, True)
-  """
-  if isinstance(implementation, PallasConfig):
-    return implementation
-  if implementation == "auto":
-    return PallasConfig() if _on_cuda() and _kernels_compile(_compute_capability()) else None
-  if implementation in ("pallas", "pallas_interpret"):
-    return PallasConfig(interpret=implementation == "pallas_interpret")
-  if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
-    return None
-  raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or an "
-                   f"optax4bit.pallas.PallasConfig, got {implementation!r}.")
+def kernels_run_here() -> bool:
+  """Whether ``implementation="auto"`` runs these kernels: the default device
+  is a CUDA GPU (not ROCm) on which the kernels compile (probed once per
+  process and compute capability, see `_kernels_compile`)."""
+  return _on_cuda() and _kernels_compile(_compute_capability())
 
 
 def _covers(shape: tuple, moments: Sequence[QuantizedArray], options: _engine.Options) -> bool:
@@ -198,25 +185,16 @@ class PallasSteps:
   the leaf (the caller then runs the jnp reference)."""
   options: _engine.Options
 
-  def adam(self, grad, moments, b1, b2, eps, eps_root, count_inc, nesterov: bool, keys=None):
-    coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    return self.run("adam_nesterov" if nesterov else "adam", coef, grad, moments, keys=keys)
-
-  def factored(self, grad, moment, side, b1, b2, eps, eps_root, count_inc, keys=None):
-    """``side``: ``(row, col, row_mean)`` of the (already updated) factored
-    second moment, as `optax4bit.transform` computes them."""
-    coef = adam_coefficients(b1, b2, eps, eps_root, count_inc)
-    return self.run("factored", coef, grad, (moment,), side, keys=keys)
-
-  def momentum(self, grad, trace, momentum, nesterov: bool, keys=None):
-    coef = momentum_coefficients(momentum)
-    return self.run("momentum_nesterov" if nesterov else "momentum", coef, grad, (trace,),
-                    keys=keys)
-
-  def run(self, kind: str, coef: jax.Array, grad: jax.Array, moments: Sequence,
-          side: Sequence[jax.Array] = (), keys: Optional[Sequence] = None):
-    """The step ``kind`` (a key of `optax4bit.pallas.optim.STEPS`) on one leaf;
-    ``keys``: one PRNG key (or None) per moment, for stochastic rounding."""
+  def run(self, step: FusedStep, grad: jax.Array, moments: Sequence,
+          side: Sequence[jax.Array] = (), keys: Optional[Sequence] = None, *,
+          context: LeafContext = LeafContext()):
+    """``step`` (its kind a key of `optax4bit.pallas.optim.STEPS`) on one
+    leaf. ``side``: for ``"factored"``, the ``(row, col, row_mean)`` of the
+    (already updated) factored second moment, as `optax4bit.transform`
+    computes them; ``keys``: one PRNG key (or None) per moment, for
+    stochastic rounding; ``context``: the leaf's
+    `optax4bit._leaf_context.LeafContext`."""
+    kind, coef = step.kind, step.coefficients()
     moments = tuple(moments)
     if not moments or not all(isinstance(m, QuantizedArray) for m in moments):
       return None
@@ -226,22 +204,23 @@ class PallasSteps:
       options = dataclasses.replace(options, tile_bytes=_STEP_TILE_BYTES)
     if not _covers(shape, moments, options):
       return None
-    return _sharding.run_fused(
+    return run_fused(
         lambda *args: self._local(kind, options, *args), grad, moments, tuple(side), (coef,),
-        lambda local_shape: _covers(local_shape, moments, options), keys,
+        lambda local_shape: _covers(local_shape, moments, options), context, keys,
         hashes_global_index=True)
 
-  def _local(self, kind, options, grad, moments, side, keys, reduce_scales, consts):
+  def _local(self, kind, options, grad, moments, side, keys, shard, consts):
     (coef,) = consts
     shape = tuple(grad.shape)
     # The seeds the jnp reference derives from the same keys (`_codecs.encode`).
     seeds = [maps.rounding_seed(k) if m.spec.stochastic and k is not None else None
              for m, k in zip(moments, keys)]
-    shard = _sharding.shard_origin()
-    row_bases = None if shard is None else maps.row_hash_bases(shape, shard[1], shard[0])
+    position = shard_position(shard)
+    row_bases = None if position is None else maps.row_hash_bases(shape, position[1], position[0])
     (update,), new = _engine.run(
         STEPS[kind], shape=shape, coef=coef, dense_in=[grad], old=moments,
         side=_side_inputs(kind, shape, side), dense_out=[grad.dtype],
         new=[(m.spec, m.dtype) for m in moments], alias=range(len(moments)),
-        seeds=seeds, row_bases=row_bases, options=options, reduce_scales=reduce_scales)
+        seeds=seeds, row_bases=row_bases, options=options,
+        reduce_scales=None if shard is None else shard.reduce_scales)
     return update, new

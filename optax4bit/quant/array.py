@@ -143,7 +143,9 @@ def decode(codes: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.L
   return values * normalize.expand_scales(scales, layout, shape)
 
 
-def _check_input(x: Any, argname: str) -> jax.Array:
+def check_input(x: Any, argname: str) -> jax.Array:
+  """``x`` as a floating-point array of at least one axis and one element
+  (the input `quantize` takes); a `ValueError` naming ``argname`` if not."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"{argname} must be a floating-point array, got dtype {x.dtype}.")
@@ -188,7 +190,7 @@ def quantize(x: jax.Array, spec: SpecLike, *, key: Optional[jax.Array] = None) -
     True
   """
   spec = as_spec(spec)
-  x = _check_input(x, "x")
+  x = check_input(x, "x")
   if spec.stochastic and key is None:
     raise ValueError(f"spec {spec} rounds stochastically and needs a PRNG `key`.")
   layout = normalize.layout_for(spec, x.shape)

@@ -1,7 +1,9 @@
 // The FFI handler of the fused steps whose only quantized moment is the
 // first (heavy-ball momentum, Adam with a factored second moment), included
-// at the end of adam_4bit.cc: it runs FirstMomentRows (first_moment_rows.h)
+// once at the end of kernels.cc: it runs FirstMomentRows (first_moment_rows.h)
 // of the current ISA path over the rows, as ApplyImpl runs Adam's.
+#ifndef OPTAX4BIT_CPU_FIRST_MOMENT_FFI_H_
+#define OPTAX4BIT_CPU_FIRST_MOMENT_FFI_H_
 
 namespace {
 
@@ -131,3 +133,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitFirstMomentApply, FirstMomentImpl,
                                   .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)
 );
+
+#endif  // OPTAX4BIT_CPU_FIRST_MOMENT_FFI_H_
