@@ -645,7 +645,8 @@ def main(argv=None) -> int:
   # "auto"'s one compile probe of the Pallas kernels, outside every row's
   # compile time; whether it picked them.
   start = time.perf_counter()
-  session.results["auto_runs_pallas"] = optax4bit.dispatch.resolve("auto").steps is not None
+  session.results["auto_runs_pallas"] = isinstance(optax4bit.dispatch.resolve("auto").steps,
+                                                   optax4bit.pallas.steps.PallasSteps)
   session.results["auto_probe_seconds"] = time.perf_counter() - start
   bandwidth = gpu_step.copy_bandwidth(args.rounds * args.steps, 2**20 if args.smoke else 2**30)
   session.results["copy_bandwidth_bytes_per_s"] = bandwidth
