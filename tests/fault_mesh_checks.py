@@ -24,11 +24,12 @@ import collections
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sharding_checks as sc  # noqa: E402  (sets the 8-device XLA_FLAGS first)
+
+import checkpoint_checks  # noqa: E402  (after sharding_checks: keeps its 8 devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -244,7 +245,6 @@ def crash(directory):
   """Saves step 1, writes the expected states of steps 1 and 2, then hangs in
   the save of step 2 (after its data is written, before orbax's commit)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  from orbax.checkpoint._src.path import atomicity  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
   params = _ckpt_params(mesh)
   _, state1 = _ckpt_train(params, 0, 1)
@@ -253,20 +253,9 @@ def crash(directory):
   manager.wait_until_finished()
   _, state2 = _ckpt_train(params, 1, 1, state1)
   for step, state in ((1, state1), (2, state2)):
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    np.savez(os.path.join(directory, "..", f"expected_step{step}.npz"),
-             **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
-
-  async def hang(self, *args, **kwargs):
-    del self, args, kwargs
-    print("FINALIZING", flush=True)
-    time.sleep(600)
-
-  for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
-    cls.finalize = hang
-  checkpoint.save(manager, 2, state2)
-  manager.wait_until_finished()
-  print("NOT KILLED", flush=True)
+    checkpoint_checks.save_expected(os.path.join(directory, "..", f"expected_step{step}.npz"),
+                                    state)
+  checkpoint_checks.save_until_killed(manager, 2, state2)
 
 
 def resume(directory):
