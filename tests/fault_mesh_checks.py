@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -43,8 +43,9 @@ import optax4bit  # noqa: E402
 from optax4bit import checkpoint  # noqa: E402
 
 MODES = ("none", "replicated", "auto", "explicit")
-SHAPES = ((), (8,), (300,), (512,), (16, 128), (64, 256), (24, 40), (2, 4, 128))
-AXES = (None, "data", "model", ("data", "model"))
+SHAPES = ((), (8,), (300,), (512,), (4096,), (16, 128), (64, 256), (16, 1024), (24, 40),
+          (2, 4, 128))
+AXES = ("data", "model", ("data", "model"), None)
 OPTIMIZERS = {
     "adamw_4bit": (lambda impl: optax4bit.adamw_4bit(1e-3, min_quantize_size=0,
                                                      implementation=impl),
@@ -58,6 +59,14 @@ OPTIMIZERS = {
 }
 
 
+def _names(axis):
+  return (axis,) if isinstance(axis, str) else tuple(axis or ())
+
+
+def _shards(axis, sizes):
+  return math.prod(sizes[a] for a in _names(axis))
+
+
 @st.composite
 def cases(draw):
   """``(mode, mesh_shape, optimizer name, {leaf: (shape, dtype, spec, seed)})``."""
@@ -69,16 +78,16 @@ def cases(draw):
     shape = draw(st.sampled_from(SHAPES))
     spec, used = [], set()
     for j, d in enumerate(shape):
-      axis = draw(st.sampled_from(AXES)) if mode in ("auto", "explicit") else None
-      names = (axis,) if isinstance(axis, str) else tuple(axis or ())
-      shards = math.prod(sizes[a] for a in names)
-      # Axes taken by another dimension, or that do not divide this one, are
-      # left out, and so is a last axis cut into pieces of no multiple of 128
-      # (blocks would straddle shards: a documented ValueError at init).
-      if names and (used & set(names) or d % shards
-                    or (j == len(shape) - 1 and (d // shards) % 128)):
-        axis = None
-      used |= set(names) if axis else set()
+      # Mesh axes not taken by another dimension that divide this one; for the
+      # last, into pieces of a multiple of 128 (else blocks would straddle
+      # shards: a documented ValueError at init).
+      options = [None]
+      if mode in ("auto", "explicit"):
+        options = [a for a in AXES if a and not used & set(_names(a))
+                   and d % _shards(a, sizes) == 0
+                   and (j < len(shape) - 1 or (d // _shards(a, sizes)) % 128 == 0)] + [None]
+      axis = draw(st.sampled_from(options))
+      used |= set(_names(axis))
       spec.append(axis)
     leaves[f"leaf{i}"] = (shape, draw(st.sampled_from(("float32", "bfloat16"))), tuple(spec),
                           draw(st.integers(0, 2**16)))
@@ -154,13 +163,26 @@ def one_case(mode, mesh_shape, name, leaves, impls=("cpu", "auto")):
   return problems
 
 
+# Cases run before the drawn ones: classic mesh axes (a sharded float32 matrix
+# and bf16 vector; the only one run for 0 examples), then explicit axes.
+EXAMPLES = [
+    ("auto", (4, 2), "adamw_4bit", {"a": ((16, 256), "float32", ("data", "model"), 1),
+                                    "b": ((512,), "bfloat16", ("model",), 2)}),
+    ("explicit", (4, 2), "adamw_4bit_factor", {
+        "a": ((64, 256), "bfloat16", ("data", "model"), 4), "b": ((4096,), "float32", ("model",), 5),
+        "c": ((2, 4, 128), "bfloat16", (None, "data", None), 3)}),
+]
+
+
 def shardings(max_examples="2", impls="cpu,auto"):
-  """Runs ``max_examples`` cases with the implementations ``impls`` (besides
-  the jnp engine); returns how many ran and the failing ones."""
+  """Runs `EXAMPLES` (only the first if ``max_examples`` is 0) and
+  ``max_examples`` drawn cases with the implementations ``impls`` (besides the
+  jnp engine); returns how many ran and the failing ones."""
   ran, failures = [], []
 
-  @settings(max_examples=int(max_examples), deadline=None, derandomize=True, database=None,
-            suppress_health_check=list(HealthCheck))
+  @settings(max_examples=max(int(max_examples), 1), deadline=None, derandomize=True,
+            database=None, suppress_health_check=list(HealthCheck),
+            phases=[Phase.explicit] + ([Phase.generate] if int(max_examples) else []))
   @given(case=cases())
   def check(case):
     ran.append(case[:3])
@@ -171,6 +193,8 @@ def shardings(max_examples="2", impls="cpu,auto"):
     if problems:
       failures.append({"case": repr(case), "problems": problems})
 
+  for case in EXAMPLES if int(max_examples) else EXAMPLES[:1]:
+    check = example(case=case)(check)
   check()
   return {"ran": len(ran), "modes": dict(collections.Counter(m for m, _, _ in ran)),
           "optimizers": dict(collections.Counter(n for _, _, n in ran)), "failures": failures}

@@ -4,7 +4,8 @@ The checks run on 8 virtual CPU devices in a separate process
 (tests/fault_mesh_checks.py):
 
 * random trees on random shardings (none, replicated, classic ``Mesh`` axes,
-  explicit axes), drawn by hypothesis: every implementation gives the jnp
+  explicit axes), drawn by hypothesis (in the default run only its first
+  explicit case): every implementation gives the jnp
   engine's result bit for bit, the sharded engine the one-device result, and
   the compiled step has no collective that optax's step lacks beyond the
   all-reduces of rank-1 statistics;
@@ -40,13 +41,15 @@ def _value(results, name):
 
 def _random_shardings(examples, impls):
   found = _value(run_json(SCRIPT, "shardings", str(examples), impls, timeout=3000), "shardings")
-  assert found["ran"] == examples, found
+  assert found["ran"] == examples + (2 if examples else 1), found  # and explicit cases
   assert found["failures"] == [], found
   return found
 
 
-def test_random_shardings():
-  _random_shardings(2, "cpu")  # "auto" is "cpu" on an x86-64 CPU with AVX2
+def test_shardings():
+  """The first explicit case only (classic mesh axes, a sharded float32
+  matrix and bf16 vector); "auto" is "cpu" on an x86-64 CPU with AVX2."""
+  _random_shardings(0, "cpu")
 
 
 @pytest.mark.slow
