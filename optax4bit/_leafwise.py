@@ -194,6 +194,16 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
     update, new = _materialized(step_fn(grad.astype(compute_dtype(grad)), old, side))
     new_moments = tuple(encode_moment(v, m, context, k) for v, m, k in zip(new, moments, keys))
     return _cast(update, grad.dtype), new_moments
+  if grad.ndim == 1 and grad.dtype != compute_dtype(grad):
+    # A bf16/f16 vector enters the loop as float32 (a copy; vectors are small).
+    # Converted inside it, the conversion is fused into the step, which makes
+    # LLVM contract the other product of ``a * g + b * m`` into an FMA when
+    # ``m`` comes from the C++ codecs' decode: the C++ path then rounds
+    # differently from the jnp one (1 ulp; issue 37). Float32 gradients get
+    # the contraction of the jnp engine and the C++ kernel, ``fma(a, g, b * m)``.
+    update, new_moments = _update_leaf_chunked(step_fn, grad.astype(compute_dtype(grad)),
+                                               moments, side, keys, plans, rows, context)
+    return _cast(update, grad.dtype), new_moments
   return _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, context)
 
 

@@ -165,7 +165,6 @@ def roundtrip(directory):
 
 def crash(directory):
   """Saves step 1, then hangs inside the save of step 2 until killed."""
-  from orbax.checkpoint._src.path import atomicity  # pylint: disable=import-outside-toplevel
   tx = make_tx()
   params = make_params()
   train = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -174,10 +173,20 @@ def crash(directory):
   manager = ocp.CheckpointManager(directory)
   checkpoint.save(manager, 1, train)
   manager.wait_until_finished()
-  leaves = jax.tree_util.tree_flatten_with_path(train)[0]
-  np.savez(os.path.join(directory, "..", "expected_step1.npz"),
-           **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
-  train = step(train)
+  save_expected(os.path.join(directory, "..", "expected_step1.npz"), train)
+  save_until_killed(manager, 2, step(train))
+
+
+def save_expected(path, tree):
+  """``tree``'s leaves as an ``.npz`` keyed by their paths."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  np.savez(path, **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
+
+
+def save_until_killed(manager, step, state):
+  """Saves ``state`` at ``step`` and hangs after its data is written, before
+  orbax's commit (atomic rename), announcing ``FINALIZING``."""
+  from orbax.checkpoint._src.path import atomicity  # pylint: disable=import-outside-toplevel
 
   async def hang(self, *args, **kwargs):
     del self, args, kwargs
@@ -186,7 +195,7 @@ def crash(directory):
 
   for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
     cls.finalize = hang
-  checkpoint.save(manager, 2, train)
+  checkpoint.save(manager, step, state)
   manager.wait_until_finished()
   print("NOT KILLED", flush=True)
 

@@ -169,21 +169,46 @@ def test_implementations_agree_many(name, tree):
   _implementations_agree(name, *tree, pallas=True)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 37, open: with bfloat16 gradients, the block scales of both moments "
-    "after the second step differ by 1 ulp between the jnp engine and the C++ "
-    "and Pallas kernels (which agree with each other; with the same gradients "
-    "in float32 all agree); cause not yet found"))
-def test_implementations_agree_bfloat16_vector():
-  """The shrunk falsifying example of
-  ``test_implementations_agree_many[adamw_4bit]`` (derandomized ``-m slow``
-  run, 2026-11-27): one (300,) bfloat16 leaf, ``trees()``'s draw with seed 0,
-  exponent 1 and a finite gradient."""
+def _run_on_isa_paths(name, params, steps):
+  """``_run`` with the C++ kernel and codecs on every ISA path this CPU runs
+  (`tests/test_cpu_kernel.py`'s paths), as ``{isa: results}``."""
+  from optax4bit.cpu import ffi as cpu_ffi  # pylint: disable=import-outside-toplevel
+  before, out = optax4bit.cpu.isa(), {}
+  try:
+    for isa in optax4bit.cpu.isas():
+      cpu_ffi._use_isa(isa)  # pylint: disable=protected-access
+      _JITTED.pop((name, "cpu"), None)  # a fresh trace and compile per path
+      out[isa] = _run((name, "cpu"), params, steps)
+  finally:
+    cpu_ffi._use_isa(before)  # pylint: disable=protected-access
+    _JITTED.pop((name, "cpu"), None)
+  return out
+
+
+@pytest.mark.skipif(not optax4bit.cpu.available(), reason="needs the C++ kernel")
+@pytest.mark.parametrize("name,shape,dtype", [
+    ("adamw_4bit", (300,), "bfloat16"),  # the shrunk example of the slow run
+    pytest.param("adamw_4bit", (1000,), "float16", marks=pytest.mark.slow),
+    pytest.param("adamw_4bit_factor", (256,), "bfloat16", marks=pytest.mark.slow),
+])
+def test_implementations_agree_half_precision_vector(name, shape, dtype):
+  """The shrunk falsifying example of ``test_implementations_agree_many``
+  (one (300,) bfloat16 leaf, ``trees()``'s draw with seed 0, exponent 1) and
+  its kin. The C++ kernel declines vectors: ``"cpu"`` runs the jnp step with
+  the C++ codecs there, and a bf16/f16 gradient converted inside the step's
+  loop made LLVM contract the other product of ``(1 - b1) g + b1 m`` into an
+  FMA than the jnp engine does (block scales 1 ulp off after step 2)."""
   rng = np.random.default_rng(0)
-  p = rng.standard_normal((300,)).astype(np.float32)
-  g = (rng.standard_normal((300,)) * 10.0).astype(np.float32)
-  _implementations_agree("adamw_4bit", {"leaf0": jnp.asarray(p, jnp.bfloat16)},
-                         {"leaf0": jnp.asarray(g, jnp.bfloat16)}, pallas=False)
+  p = rng.standard_normal(shape).astype(np.float32)
+  g = (rng.standard_normal(shape) * 10.0).astype(np.float32)
+  params, grads = {"leaf0": jnp.asarray(p, dtype)}, {"leaf0": jnp.asarray(g, dtype)}
+  steps = [grads, _finite_grads(grads), jax.tree.map(lambda x: x * 0.5, grads)]
+  reference = _run((name, "jnp"), params, steps)
+  for isa, got in _run_on_isa_paths(name, params, steps).items():
+    try:
+      _assert_same(got, reference)
+    except AssertionError as e:
+      raise AssertionError(f"ISA path {isa}") from e
 
 
 def _finite(tree):
