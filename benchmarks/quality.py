@@ -853,19 +853,34 @@ def versus_table(diffs: dict, baseline: str, steps: list) -> str:
   return "\n".join(lines)
 
 
+def second_half_worst(paired_rows: dict, checkpoints_: list) -> tuple:
+  """The largest mean paired gap over the checkpoints of the second half of
+  training, and its step."""
+  judged = [s for s in checkpoints_ if s >= checkpoints_[-1] / 2]
+  step = max(judged, key=lambda s: paired_rows[str(s)]["ratio"]["mean"])
+  return paired_rows[str(step)]["ratio"]["mean"] - 1, step
+
+
 def summary_table(results: dict) -> str:
   """One row per problem: each variant's mean paired gap (± se) at the last
-  step, and for the default its difference to the paper recipe's."""
+  step; for the default, its worst mean gap over the second half of training
+  and its paired difference to the paper recipe's gap (mean ± se, per seed)."""
   variants = [v for v in VARIANTS if v != REFERENCE
               and any(v in r["paired"] for r in results.values())]
-  lines = ["| problem | " + " | ".join(variants) + f" | adamw_4bit minus {PAPER} |",
-           "|---|" + "---|" * (len(variants) + 1)]
+  lines = ["| problem | " + " | ".join(variants) + " | adamw_4bit worst gap, 2nd half "
+           f"| adamw_4bit minus {PAPER} (per seed) |",
+           "|---|" + "---|" * (len(variants) + 2)]
   for name, r in results.items():
     last = str(r["checkpoints"][-1])
     cells = [gap_cell(r["paired"][v][last]["ratio"]) if v in r["paired"] else "" for v in variants]
+    if "adamw_4bit" in r["paired"]:
+      worst, step = second_half_worst(r["paired"]["adamw_4bit"], r["checkpoints"])
+      cells.append(f"{pct(worst)} (step {step})")
+    else:
+      cells.append("")
     diff = r.get("versus_paper", {}).get("adamw_4bit", {}).get(last)
-    cells.append(f"{100 * diff['diff']['mean']:+.2f} ± {100 * diff['diff']['se']:.2f}"
-                 if diff else "")
+    cells.append(f"{100 * diff['diff']['mean']:+.2f} ± {100 * diff['diff']['se']:.2f} ("
+                 + ", ".join(f"{100 * d:+.2f}" for d in diff["diffs"]) + ")" if diff else "")
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
