@@ -72,15 +72,14 @@ def split_moments(moments: tuple) -> tuple:
   A `QuantizedArray` keeps its global shape as static aux data; its raw
   arrays can enter a per-shard function, which rebuilds local ones
   (`join_moments`)."""
-  raw = tuple((m.codes, tuple(m.scales)) if isinstance(m, QuantizedArray) else m
-              for m in moments)
+  raw = tuple(m.to_raw() if isinstance(m, QuantizedArray) else m for m in moments)
   info = tuple((m.spec, m.dtype) if isinstance(m, QuantizedArray) else None for m in moments)
   return raw, info
 
 
 def join_moments(raw: tuple, info: tuple, leaf_shape: tuple) -> tuple:
   """The moments of a leaf of ``leaf_shape`` from `split_moments`' output."""
-  return tuple(r if i is None else QuantizedArray(r[0], tuple(r[1]), i[0], leaf_shape, i[1])
+  return tuple(r if i is None else QuantizedArray.from_raw(r, i[0], leaf_shape, i[1])
                for r, i in zip(raw, info))
 
 

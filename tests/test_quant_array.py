@@ -523,3 +523,14 @@ def test_quantized_array_under_jit_and_eval_shape():
   new = jax.jit(lambda s: {"m": quantize(dequantize(s["m"]) * 0.5, spec),
                            "count": s["count"] + 1})(state)
   assert jax.tree.structure(new) == jax.tree.structure(state)
+
+
+def test_raw_form_round_trips():
+  """`QuantizedArray.to_raw` / `from_raw`: the same leaves and description."""
+  q = quantize(jnp.arange(6 * 300, dtype=jnp.float32).reshape(6, 300), "Rank-1/Linear")
+  codes, scales = q.to_raw()
+  assert codes is q.codes and len(scales) == len(q.scales) == 2
+  back = QuantizedArray.from_raw((codes, list(scales)), q.spec, [6, 300], q.dtype)
+  assert (back.spec, back.shape, back.dtype) == (q.spec, q.shape, q.dtype)
+  assert isinstance(back.scales, tuple)
+  chex.assert_trees_all_equal(back, q)

@@ -58,6 +58,31 @@ class QuantizedArray:
   def layout(self) -> normalize.Layout:
     return normalize.layout_for(self.spec, self.shape)
 
+  def to_raw(self) -> tuple:
+    """``(codes, scales)``: the arrays alone, without the static description
+    (`from_raw` rebuilds the array). Per-shard code takes these, since a
+    shard's arrays describe a tensor of another (local) shape.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax4bit
+      >>> q = optax4bit.quantize(jnp.ones((4, 256)), "B128/DE")
+      >>> codes, scales = q.to_raw()
+      >>> codes.shape, [s.shape for s in scales]
+      ((4, 128), [(4, 2)])
+      >>> back = QuantizedArray.from_raw((codes, scales), q.spec, q.shape, q.dtype)
+      >>> bool(jnp.array_equal(back.dequantize(), q.dequantize()))
+      True
+    """
+    return self.codes, tuple(self.scales)
+
+  @classmethod
+  def from_raw(cls, raw: tuple, spec: QuantSpec, shape: tuple, dtype) -> "QuantizedArray":
+    """The array of ``raw = (codes, scales)`` (`to_raw`) describing a tensor of
+    ``shape`` quantized with ``spec``."""
+    codes, scales = raw
+    return cls(codes, tuple(scales), spec, tuple(shape), dtype)
+
   def dequantize(self, dtype=None) -> jax.Array:
     """Same as ``optax4bit.dequantize(self, dtype)``."""
     return dequantize(self, self.dtype if dtype is None else dtype)
