@@ -121,7 +121,7 @@ def test_quantize_stochastic_multi_row_tiles_and_edge_values():
                    optax4bit.quantize(xs, spec, key=KEY))
 
 
-def _gather_pair(table, index):
+def _gather_row(table, index):
   row = jnp.asarray(table)[index]
   return tuple(row[..., k] for k in range(row.shape[-1]))
 
@@ -154,7 +154,7 @@ def test_bucket_lookup_counts_exactly_as_the_reference_search(mapping, signed):
     x = np.concatenate([_bucket_edges(bucket), near, -near,
                         np.float32([0.0, -0.0, np.inf, -np.inf, 1e-40, -1e-40])])
     x = jnp.asarray(x.astype(np.float32))
-    got = _math.count_below(x, bucket, bucket.entries, _gather_pair)
+    got = _math.count_below(x, bucket, bucket.entries, _gather_row)
     if inclusive:
       want, _, _ = maps.bracket(jnp.clip(x, table[0], table[-1]), table)
     else:
@@ -231,15 +231,15 @@ def test_kernel_encoders_match_maps():
         np.asarray(_math.encode_stochastic(n, u, bracket, bracket.entries,
                                            _codebook.entry_gaps(as_spec(f"B128/{mapping}",
                                                                         signed=signed)),
-                                           _gather_pair)),
+                                           _gather_row)),
         np.asarray(maps.encode_stochastic(n, u, mapping, 4, signed)))
     spec = as_spec(f"B128/{mapping}", signed=signed)
     nearest = _codebook.bucket_table(mapping, signed, inclusive=False)
     np.testing.assert_array_equal(
-        np.asarray(_math.encode_nearest(n, spec, nearest, nearest.entries, _gather_pair)),
+        np.asarray(_math.encode_nearest(n, spec, nearest, nearest.entries, _gather_row)),
         np.asarray(maps.encode_nearest(n, mapping, 4, signed)))
     codes = jnp.arange(256, dtype=jnp.int32)
-    even, odd = _math.decode_bytes(codes, _codebook.decode_pairs(spec), _gather_pair)
+    even, odd = _math.decode_bytes(codes, _codebook.decode_pairs(spec), _gather_row)
     np.testing.assert_array_equal(np.asarray(even), table[np.arange(256) & 15])
     np.testing.assert_array_equal(np.asarray(odd), table[np.arange(256) >> 4])
 

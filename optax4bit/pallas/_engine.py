@@ -121,7 +121,7 @@ def _store(ref, index, value, mask=None):
   plgpu.store(ref.at[index], value, mask=mask)
 
 
-def _gather_pair(table, index):
+def _gather_row(table, index):
   """Row ``index`` of a small table, stored transposed (``(columns, N)``,
   `_table_operand`): each column's load is at a constant offset from the
   first (a tile-shaped ``(..., columns)`` load would need a change of layout
@@ -289,7 +289,7 @@ def _inputs(plan: _Plan, refs: _Refs, tile: _Tile):
         old[h].append(jnp.zeros(geo.tile, jnp.float32))
       continue
     packed = _load(moment[0], (tile.row, tile.byte), tile.valid).astype(jnp.int32)
-    values = _math.decode_bytes(packed, table, _gather_pair)
+    values = _math.decode_bytes(packed, table, _gather_row)
     scale = tile.per_element(fmt, moment[1:], jnp.minimum)
     for h in range(2):
       old[h].append(values[h] * scale[h])
@@ -369,12 +369,12 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
     if spec.stochastic:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=True)
       uniform = tile.uniforms(refs.seeds[k], refs.row_bases)
-      codes = [_math.encode_stochastic(n[h], uniform[h], bucket, *tables, _gather_pair,
+      codes = [_math.encode_stochastic(n[h], uniform[h], bucket, *tables, _gather_row,
                                        kmath.probability) for h in range(2)]
     else:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=False)
       codes = [_math.encode_nearest(n[h], spec, bucket, tables[0] if tables else None,
-                                    _gather_pair) for h in range(2)]
+                                    _gather_row) for h in range(2)]
     _store(codes_ref, (tile.row, tile.byte), _math.pack(codes[0], codes[1], tile.valids[1]),
            tile.valid)
 

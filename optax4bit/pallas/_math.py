@@ -2,7 +2,7 @@
 
 Nothing here knows about Triton, refs or tiles: the kernels of
 `optax4bit.pallas._engine` call these functions on the values of a tile, with
-``gather_pair(table, index)`` (read rows of a two-column lookup table) and a
+``gather_row(table, index)`` (read a row of a small lookup table) and a
 `KernelMath` (division and square root) of their backend.
 A port to another kernel language (Mosaic GPU, which has no gather as of
 JAX 0.11) passes its own: a select tree over the table's constants
@@ -25,8 +25,8 @@ from optax4bit.pallas._codebook import BucketTable
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.spec import QuantSpec
 
-# gather_pair(table, index) -> every column of a small table at ``index``.
-GatherPair = Callable
+# gather_row(table, index) -> every column of a small table at ``index``.
+GatherRow = Callable
 
 
 class KernelMath:
@@ -118,17 +118,17 @@ class KernelMath:
 
 
 
-def decode_bytes(packed, pairs, gather_pair: GatherPair):
+def decode_bytes(packed, pairs, gather_row: GatherRow):
   """The entries of the even and the odd code of int32 bytes ``packed``."""
-  return gather_pair(pairs, packed)
+  return gather_row(pairs, packed)
 
 
-def count_below(x, bucket: BucketTable, table, gather_pair: GatherPair):
+def count_below(x, bucket: BucketTable, table, gather_row: GatherRow):
   """`maps.count_above` of ``bucket``'s thresholds (``>=`` if inclusive) at
   float32 ``x`` (not NaN), by the bucket of ``x``'s bits."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   index = jax.lax.shift_right_logical(bits, np.uint32(bucket.shift)).astype(jnp.int32)
-  threshold_bits, base = gather_pair(table, index)
+  threshold_bits, base = gather_row(table, index)
   threshold = jax.lax.bitcast_convert_type(threshold_bits, jnp.float32)
   crossed = x >= threshold if bucket.inclusive else x > threshold
   return base + crossed.astype(jnp.int32)
@@ -140,14 +140,14 @@ def normalized(x, inverse_times_4):
   return jnp.where(jnp.isnan(n), np.float32(0), n)
 
 
-def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_pair: GatherPair):
+def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_row: GatherRow):
   """`maps.encode_nearest` (int32 codes)."""
   if spec.mapping == "Linear":
     return maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed).astype(jnp.int32)
-  return count_below(n, bucket, table, gather_pair)
+  return count_below(n, bucket, table, gather_row)
 
 
-def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_pair: GatherPair,
+def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_row: GatherRow,
                       probability=lambda d, gap, reciprocal: d / gap):
   """`maps.encode_stochastic` (int32 codes) of ``n`` (not NaN).
 
@@ -157,8 +157,8 @@ def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_pair:
   codes. ``probability(d, gap, reciprocal)``: ``d / gap``
   (`KernelMath.probability`); ``gaps``: `_codebook.entry_gaps`.
   """
-  lower = count_below(n, bucket, table, gather_pair)
-  low_value, gap, reciprocal = gather_pair(gaps, lower)
+  lower = count_below(n, bucket, table, gather_row)
+  low_value, gap, reciprocal = gather_row(gaps, lower)
   return lower + (uniform < probability(n - low_value, gap, reciprocal)).astype(jnp.int32)
 
 
