@@ -251,6 +251,25 @@ def train_nnx_beside_functional(tx, steps: int, param_dtype=None):
   return losses, optimizer, params, state, nnx.as_pure(nnx.state(model, nnx.Param))
 
 
+def training_step(tx):
+  """A training step's update: ``(params, state, grads) -> (params, state)``."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def assert_trees_bitwise(a, b):
+  """Same tree structure, and every leaf the same bits, dtype and shape."""
+  import jax  # pylint: disable=import-outside-toplevel
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
+
+
 @contextlib.contextmanager
 def on_the_cpu():
   """The CPU as the default device: the C++ kernel steps CPU arrays, and on a

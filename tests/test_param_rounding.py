@@ -19,6 +19,7 @@ import optax4bit
 from optax4bit import checkpoint
 from optax4bit import param_rounding
 from optax4bit.quant import maps
+from conftest import assert_trees_bitwise, train_nnx_beside_functional, training_step
 from subprocess_json import TESTS, run_json
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -394,7 +395,7 @@ def test_offloaded_and_checkpointed_bitwise():
   ocp = pytest.importorskip("orbax.checkpoint")
 
   def train(tx, steps):
-    step = jax.jit(_training_step(tx), donate_argnums=(0, 1))
+    step = jax.jit(training_step(tx), donate_argnums=(0, 1))
     params = _bfloat16_params()
     state = tx.init(params)
     for i in range(steps):
@@ -405,45 +406,30 @@ def test_offloaded_and_checkpointed_bitwise():
       optax4bit.offload_state(optax4bit.adamw_4bit(1e-3, min_quantize_size=0)), 2)
   params, state, step = train(optax4bit.adamw_4bit(1e-3, min_quantize_size=0), 2)
   assert offloaded_state[0].mu["w"].codes.sharding.memory_kind == "pinned_host"
-  _assert_trees_bitwise((offloaded_params, offloaded_state), (params, state))
+  assert_trees_bitwise((offloaded_params, offloaded_state), (params, state))
   assert _rounding_count(state) == 2
   with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
     checkpoint.save(manager, 2, {"params": params, "opt_state": state})
     manager.wait_until_finished()
     restored = checkpoint.restore(manager, checkpoint.abstract(
         {"params": params, "opt_state": state}))
-  _assert_trees_bitwise((restored["params"], restored["opt_state"]), (params, state))
+  assert_trees_bitwise((restored["params"], restored["opt_state"]), (params, state))
   resumed = step(restored["params"], restored["opt_state"], _bfloat16_grads(2))
-  _assert_trees_bitwise(resumed, step(params, state, _bfloat16_grads(2)))
+  assert_trees_bitwise(resumed, step(params, state, _bfloat16_grads(2)))
 
 
 def test_nnx_optimizer_bfloat16_model():
   """flax.nnx.Optimizer with adamw_4bit's default rounding on a bfloat16
   model: the same bits as the plain optax loop fed the same gradients."""
   pytest.importorskip("flax.nnx")
-  from conftest import train_nnx_beside_functional  # pylint: disable=import-outside-toplevel
   tx = optax4bit.adamw_4bit(1e-2, min_quantize_size=0)
   losses, optimizer, params, state, model_params = train_nnx_beside_functional(
       tx, 3, param_dtype=jnp.bfloat16)
   assert losses[-1] < losses[0]
   assert {p.dtype for p in jax.tree.leaves(model_params)} == {jnp.dtype(jnp.bfloat16)}
-  _assert_trees_bitwise(model_params, params)
+  assert_trees_bitwise(model_params, params)
   import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
   assert _rounding_count(nnx.as_pure(optimizer.opt_state)) == _rounding_count(state) == 3
-
-
-def _training_step(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
-
-
-def _assert_trees_bitwise(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
 
 
 def test_sharded_matches_one_device_bitwise():
