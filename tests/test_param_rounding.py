@@ -382,7 +382,8 @@ def test_multisteps_rounds_once_per_step_on_the_mean_gradients():
     p, q, p0 = (np.asarray(x, np.float64) for x in (p, q, p0))
     ulp = np.spacing(np.abs(q).astype(np.float32).astype(ml_dtypes.bfloat16)).astype(np.float64)
     differ = p != q
-    assert differ.mean() <= 0.01, f"{differ.sum()} of {differ.size} differ"
+    # Measured: 2 of 8192 after the 2nd and 3rd step (2026-11-27, CPU).
+    assert differ.mean() <= 0.002, f"{differ.sum()} of {differ.size} differ"
     assert np.all(np.abs(p - q) <= cycles * ulp), np.abs(p - q).max()
     assert np.mean(p != p0) > 0.5  # steps of about lr, well under an ulp for many
 
