@@ -108,7 +108,7 @@ def _round_to_bfloat16_stochastically(x: jax.Array, uniform: jax.Array) -> jax.A
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   probability = (bits & np.uint32(0xFFFF)).astype(jnp.float32) * np.float32(2.0**-16)
   upper = (bits >> np.uint32(16)) + (uniform < probability).astype(jnp.uint32)
-  upper = jnp.where(upper & np.uint32(0x7FFF), upper, np.uint32(0))  # a zero is +0
+  upper = jnp.where((upper & np.uint32(0x7FFF)) != 0, upper, np.uint32(0))  # a zero is +0
   rounded = _from_bits(upper, jnp.bfloat16)
   return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
 
