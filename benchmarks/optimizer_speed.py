@@ -27,6 +27,9 @@ what is jitted:
     python benchmarks/optimizer_speed.py --step train    # gradients made in the step
     python benchmarks/optimizer_speed.py --optimizers optax.adamw "adamw_4bit (cpu)" \
         --cpu-isas avx512 avx2 baseline     # the C++ kernel's ISA paths side by side
+    python benchmarks/optimizer_speed.py --tree one-4096 --param-dtype bfloat16 --step apply \
+        --optimizers optax.adamw adamw_4bit "adamw_4bit (nearest)"
+        # what round_params_stochastically (the default for bfloat16 params) adds to a step
 
 On CPU the first line printed names the ISA path the C++ kernel runs
 (``OPTAX4BIT_CPU_ISA`` forces another); ``--cpu-isas`` adds a row per path for
@@ -71,6 +74,8 @@ OPTIMIZERS = {
     # The jnp engine; "adamw_4bit" runs the C++ kernel on CPU where it is built.
     "adamw_4bit (jnp)": lambda: optax4bit.adamw_4bit(1e-3, implementation="jnp"),
     "adamw_4bit (paper)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper"),
+    # Without round_params_stochastically (only bfloat16/float16 params differ).
+    "adamw_4bit (nearest)": lambda: optax4bit.adamw_4bit(1e-3, param_rounding="nearest"),
     "adamw_4bit (paper, jnp)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
                                                             implementation="jnp"),
     # The C++ kernel even where "auto" would not run it (see optax4bit.cpu.faster_than_jnp).
@@ -86,6 +91,8 @@ OPTIMIZERS = {
     "adamw_8bit (cpu)": lambda: optax4bit.adamw_8bit(1e-3, implementation="cpu"),
     "optax.sgd": lambda: optax.sgd(1e-3),
     "optax.sgd(momentum)": lambda: optax.sgd(1e-3, 0.9),
+    "optax.sgd + round_params_stochastically": lambda: optax.chain(
+        optax.sgd(1e-3), optax4bit.round_params_stochastically()),
     "sgdm_4bit": lambda: optax4bit.sgdm_4bit(1e-3),
     "sgdm_4bit (paper)": lambda: optax4bit.sgdm_4bit(1e-3, recipe="paper"),
     "sgdm_4bit (jnp)": lambda: optax4bit.sgdm_4bit(1e-3, implementation="jnp"),
@@ -104,8 +111,10 @@ OPTIMIZERS = {
 }
 
 
-def make_tree(name: str) -> dict:
-  if name == "spec":
+def make_tree(name: str, dtype=jnp.float32) -> dict:
+  if name == "one-4096":
+    shapes = {"w": (4096, 4096)}
+  elif name == "spec":
     shapes = {f"w{i}": (2048, 2048) for i in range(4)}
   elif name == "spec-stacked":  # the same, stacked into one leaf as for jax.lax.scan
     shapes = {"w": (4, 2048, 2048)}
@@ -113,12 +122,15 @@ def make_tree(name: str) -> dict:
     shapes = {"/".join(map(str, path)): leaf.shape for path, leaf in
               jax.tree_util.tree_flatten_with_path(gpt_params(**CONFIGS["124M"]))[0]}
   keys = jax.random.split(jax.random.PRNGKey(0), len(shapes))
-  return {k: 0.02 * jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes.items())}
+  return {k: 0.02 * jax.random.normal(key, s, dtype) for key, (k, s) in zip(keys, shapes.items())}
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tree", default="spec", choices=["spec", "spec-stacked", "gpt124m"])
+  parser.add_argument("--tree", default="spec",
+                      choices=["spec", "spec-stacked", "gpt124m", "one-4096"])
+  parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="dtype of the params and gradients")
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
   parser.add_argument("--cpu-isas", nargs="*", default=[], choices=["avx512", "avx2", "baseline"],
@@ -128,13 +140,13 @@ def main(argv=None):
                       help="the donated update alone (default), update + apply with read-only "
                       "gradients, or update + apply with gradients computed in the step")
   args = parser.parse_args(argv)
-  params = make_tree(args.tree)
+  params = make_tree(args.tree, jnp.dtype(args.param_dtype))
   grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
   # Gradients for --step train: those of a thin linear layer's squared output,
   # which a backward pass leaves in fresh buffers (rows of 8 inputs keep the
   # two matmuls per leaf cheap next to the optimizer).
-  inputs = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(1), (8, p.shape[0])) / 30,
-                        params)
+  inputs = jax.tree.map(lambda p: (jax.random.normal(jax.random.PRNGKey(1), (8, p.shape[0])) / 30
+                                   ).astype(p.dtype), params)
   gradient_of = jax.grad(lambda p: sum(jnp.sum(jnp.square(x @ w))
                                        for x, w in zip(jax.tree.leaves(inputs), jax.tree.leaves(p))))
 
@@ -146,7 +158,7 @@ def main(argv=None):
 
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, tree {args.tree}: "
-        f"{num_params / 1e6:.1f}M params, step: {args.step}")
+        f"{num_params / 1e6:.1f}M {args.param_dtype} params, step: {args.step}")
   if jax.default_backend() == "cpu":
     # OPTAX4BIT_CPU_ISA (read when the kernel loads) forces another ISA path.
     print(f"optax4bit CPU kernel: ISA path {optax4bit.cpu.isa()} of {optax4bit.cpu.isas()}, "

@@ -47,13 +47,20 @@ holds, then bisected; the answer k (fits) and k + 1 (does not) are both
 compiled, so every reported figure is a compiled one.
 The figures are from the CPU compiler of this machine (XLA's buffer
 assignment for the CPU backend); a GPU compiler fuses differently, so read
-them as estimates of a GPU's footprint, without framework overhead.
+them as estimates of a GPU's footprint, without framework overhead. With
+``--gpu-target`` they are XLA:GPU's for that GPU, compiled on this machine
+(no GPU needed; see benchmarks/offload_memory.py for the packages). The two
+differ most for bfloat16 params: XLA:CPU's step temp grows with them (plain
+``optax.sgd`` too), XLA:GPU's shrinks (benchmarks/history/2026-11-27-issue-36.md).
 
 Usage:
   python benchmarks/training_memory.py                 # both tables
   python benchmarks/training_memory.py --budgets 24 80 --skip-table
   python benchmarks/training_memory.py --optimizers adamw_4bit_bf16 --skip-table \
       --out benchmarks/results/training_memory_bf16.json
+  python benchmarks/training_memory.py --optimizers adamw_4bit adamw_4bit_bf16 \
+      --gpu-target benchmarks/gpu_target_h100.txtpb \
+      --out benchmarks/results/training_memory_bf16_h100_target.json   # H100's compiler
 """
 
 from __future__ import annotations
@@ -94,6 +101,9 @@ OFFLOADED = "_offloaded"  # suffix: the optimizer wrapped in optax4bit.offload_s
 # suffix: params (so gradients and activations) in bfloat16, rounded stochastically
 # by the optimizer's default param_rounding="stochastic" (issue 36).
 BF16 = "_bf16"
+# suffix: bf16 params rounded to nearest (param_rounding="nearest"), the control
+# that shows what the stochastic rounding itself costs.
+BF16_NEAREST = "_bf16_nearest"
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_4bit_factor",
               "adamw_4bit" + OFFLOADED, "adamw_4bit" + BF16, "adamw_4bit_factor" + BF16)
 LABELS = {"adamw": "fp32 AdamW (optax)", "adamw_8bit": "8-bit AdamW",
@@ -105,11 +115,13 @@ def label(opt_name: str) -> str:
     return LABELS[opt_name[:-len(OFFLOADED)]] + ", state offloaded"
   if opt_name.endswith(BF16):
     return LABELS[opt_name[:-len(BF16)]] + ", bf16 params + stochastic rounding"
+  if opt_name.endswith(BF16_NEAREST):
+    return LABELS[opt_name[:-len(BF16_NEAREST)]] + ", bf16 params, rounding to nearest"
   return LABELS[opt_name]
 
 
 def param_dtype(opt_name: str):
-  return jnp.bfloat16 if opt_name.endswith(BF16) else jnp.float32
+  return jnp.bfloat16 if opt_name.endswith((BF16, BF16_NEAREST)) else jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,16 +202,18 @@ def loss_fn(params, tokens, cfg: GPTConfig):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_optimizer(name: str) -> optax.GradientTransformation:
+def make_optimizer(name: str, **kwargs) -> optax.GradientTransformation:
   if name.endswith(OFFLOADED):
     return optax4bit.offload_state(make_optimizer(name[:-len(OFFLOADED)]), "pinned_host")
   if name.endswith(BF16):  # the same optimizer: its default rounds bf16 params stochastically
     return make_optimizer(name[:-len(BF16)])
+  if name.endswith(BF16_NEAREST):
+    return make_optimizer(name[:-len(BF16_NEAREST)], param_rounding="nearest")
   if name == "adamw":
     return optax.adamw(1e-4)
   if TARGET_DEVICE is not None:  # `auto` follows the default device, here the CPU
-    return getattr(optax4bit, name)(1e-4, implementation="pallas")
-  return getattr(optax4bit, name)(1e-4)
+    kwargs["implementation"] = "pallas"
+  return getattr(optax4bit, name)(1e-4, **kwargs)
 
 
 def host_output_bytes(compiled) -> tuple:

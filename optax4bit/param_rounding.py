@@ -91,8 +91,26 @@ def round_stochastically(x: jax.Array, dtype, uniform: jax.Array) -> jax.Array:
   neighbour away from zero when ``uniform`` (U[0, 1) draws shaped like ``x``)
   is below the distance to the one towards zero, in units of the gap.
   Unbiased: ``E[result] = x`` (see `_neighbours` for the edge cases)."""
+  if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+    return _round_to_bfloat16_stochastically(x, uniform)
   down, up, probability = _neighbours(x, dtype)
   return jnp.where(uniform < probability, up, down)
+
+
+def _round_to_bfloat16_stochastically(x: jax.Array, uniform: jax.Array) -> jax.Array:
+  """`round_stochastically` to bfloat16 on the bits, the same decisions as
+  `_neighbours` in fewer operations (an elementwise pass that every step of
+  a bfloat16 model pays). bfloat16 is float32's upper 16 bits: cutting the
+  lower 16 rounds ``|x|`` towards zero, adding one to the upper half steps
+  to the neighbour away from zero (into ``inf`` past the largest finite
+  value), and the lower 16 bits over 2**16 are the distance to the lower
+  neighbour in units of the gap (subnormals included)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  probability = (bits & np.uint32(0xFFFF)).astype(jnp.float32) * np.float32(2.0**-16)
+  upper = (bits >> np.uint32(16)) + (uniform < probability).astype(jnp.uint32)
+  upper = jnp.where((upper & np.uint32(0x7FFF)) != 0, upper, np.uint32(0))  # a zero is +0
+  rounded = _from_bits(upper, jnp.bfloat16)
+  return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
 
 
 def _rounded_float32(x: jax.Array, dtype) -> jax.Array:

@@ -195,32 +195,37 @@ def worst_case_error_fraction(table, signed: bool) -> float:
   return max(np.max(np.diff(t)) / 2, t[0] - lo, 1.0 - t[-1])
 
 
-def train_nnx_beside_functional(tx, steps: int):
+def train_nnx_beside_functional(tx, steps: int, param_dtype=None):
   """Trains a small ``flax.nnx`` MLP with ``nnx.Optimizer(model, tx)`` and, step
   by step, the same parameters with a plain jitted optax loop fed the same
-  gradients (the reference).
+  gradients (the reference). ``param_dtype`` (e.g. bfloat16) is that of the
+  params and of the layers' math; the loss is float32.
 
   Returns ``(losses, optimizer, reference_params, reference_state,
   model_params)``, the params as pure pytrees.
   """
   import jax
+  import jax.numpy as jnp
   import optax
   from flax import nnx
+
+  dtype = param_dtype or jnp.float32
 
   class MLP(nnx.Module):
 
     def __init__(self, rngs):
-      self.l1 = nnx.Linear(64, 128, rngs=rngs)
-      self.l2 = nnx.Linear(128, 10, rngs=rngs)
+      self.l1 = nnx.Linear(64, 128, param_dtype=dtype, dtype=dtype, rngs=rngs)
+      self.l2 = nnx.Linear(128, 10, param_dtype=dtype, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
       return self.l2(nnx.relu(self.l1(x)))
 
-  x = jax.random.normal(jax.random.key(1), (16, 64))
+  x = jax.random.normal(jax.random.key(1), (16, 64), dtype)
   y = jax.random.randint(jax.random.key(2), (16,), 0, 10)
 
   def loss_fn(model):
-    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+        model(x).astype(jnp.float32), y).mean()
 
   model = MLP(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -244,6 +249,25 @@ def train_nnx_beside_functional(tx, steps: int):
     losses.append(float(loss))
     params, state = functional_step(params, state, nnx.as_pure(nnx.state(grads, nnx.Param)))
   return losses, optimizer, params, state, nnx.as_pure(nnx.state(model, nnx.Param))
+
+
+def training_step(tx):
+  """A training step's update: ``(params, state, grads) -> (params, state)``."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def assert_trees_bitwise(a, b):
+  """Same tree structure, and every leaf the same bits, dtype and shape."""
+  import jax  # pylint: disable=import-outside-toplevel
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import pytest
 import optax4bit
 from optax4bit import checkpoint
 from optax4bit import offload
+from conftest import assert_trees_bitwise, training_step
 from subprocess_json import ROOT, TESTS, child_env, run_json
 
 # JAX deprecations are errors here (orbax's own are not ours to fix). On a GPU, JAX
@@ -52,19 +53,10 @@ def _grads(step, params):
       params)
 
 
-def _step_fn(tx):
-  """A training step's update: ``(params, state, grads) -> (params, state)``."""
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
-
-
 def _train(tx, steps):
   """``steps`` donated jitted steps; returns params and state."""
   params = _params()
-  step = jax.jit(_step_fn(tx), donate_argnums=(0, 1))
+  step = jax.jit(training_step(tx), donate_argnums=(0, 1))
   state = tx.init(params)
   for i in range(steps):
     params, state = step(params, state, _grads(i, params))
@@ -83,12 +75,6 @@ def _assert_placed(state, params, offload_param_shaped=False):
   for x in jax.tree.leaves(state):
     on_device = x.ndim == 0 or (x.shape in shapes and not offload_param_shaped)
     assert x.sharding.memory_kind == ("device" if on_device else "pinned_host"), x.shape
-
-
-def _assert_bitwise(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
 
 
 def test_docstring_example():
@@ -111,13 +97,13 @@ def test_bitwise_equal_and_stays_on_host_after_donated_steps(name):
   params, state = _train(optax4bit.offload_state(TXS[name]()), steps=4)
   ref_params, ref_state = _train(TXS[name](), steps=4)
   _assert_placed(state, params)
-  _assert_bitwise(params, ref_params)
-  _assert_bitwise(state, ref_state)
+  assert_trees_bitwise(params, ref_params)
+  assert_trees_bitwise(state, ref_state)
   params, state = _train(optax4bit.offload_state(TXS[name](), offload_param_shaped=True), 4)
   _assert_placed(state, params, offload_param_shaped=True)
   assert _memory_kinds(params) == {"device"}
-  _assert_bitwise(params, ref_params)
-  _assert_bitwise(state, ref_state)
+  assert_trees_bitwise(params, ref_params)
+  assert_trees_bitwise(state, ref_state)
 
 
 def test_quantized_leaves_keep_metadata():
@@ -149,10 +135,10 @@ def test_checkpoint_round_trip_restores_into_host_memory():
     plain = checkpoint.restore(manager, checkpoint.abstract(
         {"params": params, "opt_state": optax4bit.adamw_4bit(1e-3).init(params)}))
   _assert_placed(restored["opt_state"], params)
-  _assert_bitwise(restored, state)
-  _assert_bitwise(plain, state)
+  assert_trees_bitwise(restored, state)
+  assert_trees_bitwise(plain, state)
   # Training resumes from the restored host state.
-  step = jax.jit(_step_fn(tx), donate_argnums=(0, 1))
+  step = jax.jit(training_step(tx), donate_argnums=(0, 1))
   _, new_state = step(restored["params"], restored["opt_state"], _grads(2, params))
   _assert_placed(new_state, params)
 
@@ -187,7 +173,7 @@ def test_nnx_optimizer():
     models.append((model, optimizer))
   (model, optimizer), (ref_model, _) = models
   _assert_placed(nnx.as_pure(optimizer.opt_state), nnx.as_pure(nnx.state(model, nnx.Param)))
-  _assert_bitwise(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+  assert_trees_bitwise(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
 
 
 # Issue 37: with only the state donated, JAX 0.10.2 paired a donated host
@@ -268,7 +254,7 @@ def test_offloaded_step_compiles_for_a_gpu(name, implementation):
   state = jax.tree.map(
       lambda x: _abstract(x, device, "device" if x.ndim == 0 or x.shape in shapes
                           else "pinned_host"), jax.eval_shape(tx.init, params))
-  compiled = jax.jit(_step_fn(tx), donate_argnums=(0, 1)).lower(
+  compiled = jax.jit(training_step(tx), donate_argnums=(0, 1)).lower(
       _abstract(params, device, "device"), state, _abstract(params, device, "device")).compile()
   host_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
                    if x.sharding.memory_kind == "pinned_host")
@@ -285,7 +271,7 @@ def test_offload_adds_no_temp_memory_on_the_cpu(name):
   # temporaries 320 bytes apart when the state is in host memory.
   def temp_bytes(tx):
     params = _params()
-    compiled = jax.jit(_step_fn(tx), donate_argnums=(0, 1)).lower(
+    compiled = jax.jit(training_step(tx), donate_argnums=(0, 1)).lower(
         params, tx.init(params), params).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
