@@ -6,8 +6,9 @@
   explicit axes (``jax.set_mesh``), each leaf's axes drawn among those that
   divide it. For each, every implementation of IMPLS (``"cpu"``, ``"auto"``:
   bit for bit; ``"pallas_interpret"``: equal codes, floats within 1e-5)
-  gives the jnp engine's result over two steps, the sharded jnp engine gives the one-device result (bit
-  for bit but for Factor's float sums), and the compiled step has no
+  gives the jnp engine's result over two steps, the sharded jnp engine
+  gives the one-device result (bit for bit but for Factor's float sums),
+  and the compiled step has no
   collective that ``optax``'s step on the same tree lacks, beyond the
   all-reduces of rank-1 statistics (a row or column of a leaf).
 * ``remesh DIR [N]``: a state saved from a (2, 4) or (4, 2) mesh restores
@@ -249,7 +250,8 @@ def shardings(max_examples="2", impls="cpu,auto", modes=",".join(MODES)):
 # Checkpoints.
 
 CKPT_LEAVES = {"w": ((64, 512), "float32", ("data", "model"), 1),
-               "v": ((1024,), "float32", ("model",), 2), "s": ((16, 128), "float32", ("data", None), 3)}
+               "v": ((1024,), "float32", ("model",), 2),
+               "s": ((16, 128), "float32", ("data", None), 3)}
 
 
 def _ckpt_params(leaves, mesh):
