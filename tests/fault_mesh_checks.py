@@ -153,14 +153,23 @@ def _statistic_limit(leaves):
   return max(sizes)
 
 
+def _close(x, y, rtol):
+  """Integers (codes) bitwise; floats within ``rtol`` of ``y`` or ``rtol / 10``
+  of the leaf's largest ``|y|`` (tests/test_faults.py's ``_assert_same``: an
+  update that nearly cancels is many of its own ulps off)."""
+  x, y = np.asarray(x), np.asarray(y)
+  if not jnp.issubdtype(y.dtype, jnp.floating):
+    return np.array_equal(x, y)
+  x, y = x.astype(np.float64), y.astype(np.float64)
+  floor = rtol / 10 * np.abs(y).max(initial=0.0, where=np.isfinite(y))
+  return np.allclose(x, y, rtol=rtol, atol=max(floor, 1e-30))
+
+
 def _not_close(a, b, rtol=1e-5):
-  """Paths where two trees differ: integers (codes) bitwise, floats by more
-  than ``rtol`` of the reference ``b``."""
+  """Paths where two trees differ beyond `_close`."""
   la = jax.tree_util.tree_flatten_with_path(a)[0]
   return [jax.tree_util.keystr(p) for (p, x), y in zip(la, jax.tree.leaves(b))
-          if not (np.allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol,
-                              atol=1e-30) if jnp.issubdtype(np.asarray(y).dtype, jnp.floating)
-                  else np.array_equal(np.asarray(x), np.asarray(y)))]
+          if not _close(x, y, rtol)]
 
 
 def one_case(mode, mesh_shape, name, leaves, impls=("cpu", "auto")):
@@ -320,13 +329,19 @@ def _restores(directory, name, mesh_shape, leaves):
   return problems
 
 
+# Factor saved on (4, 2): a matrix on both axes, a bf16 stack on its first.
+FACTOR_SAVED = ("adamw_4bit_factor", (4, 2), {
+    "a": ((64, 1024), "float32", ("data", "model"), 7),
+    "b": ((8, 4, 128), "bfloat16", (("data", "model"), None, None), 8)})
+
+
 def remesh(directory, max_examples="0"):
   """`_restores` of the tree `CKPT_LEAVES` (4-bit AdamW saved on (2, 4)),
-  then of ``max_examples`` drawn trees and optimizers; returns how many ran
-  and the failing ones."""
+  then (if ``max_examples``) of `FACTOR_SAVED` and ``max_examples`` drawn
+  trees and optimizers; returns how many ran and the failing ones."""
   number = itertools.count()
-  ran, failures = _search(saved_trees(), [("adamw_4bit", (2, 4), CKPT_LEAVES)],
-                          int(max_examples),
+  fixed = [("adamw_4bit", (2, 4), CKPT_LEAVES)] + ([FACTOR_SAVED] if int(max_examples) else [])
+  ran, failures = _search(saved_trees(), fixed, int(max_examples),
                           lambda case: _restores(os.path.join(directory, str(next(number))), *case))
   return {"ran": len(ran), "optimizers": dict(collections.Counter(n for n, *_ in ran)),
           "failures": failures, "cases": [repr(case) for case in ran]}
