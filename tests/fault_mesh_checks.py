@@ -14,7 +14,8 @@
 * ``remesh DIR [N]``: a state saved from a (2, 4) or (4, 2) mesh restores
   bit for bit on both meshes and on one device, and one more step there gives
   the uninterrupted run's state bit for bit (Factor's within 1e-5): a fixed
-  4-bit AdamW tree, then N trees and optimizers drawn by hypothesis.
+  4-bit AdamW tree, then (N > 0) a fixed Factor state and N trees and
+  optimizers drawn by hypothesis.
 * ``crash DIR``: saves step 1, then hangs inside the save of step 2 until the
   test kills it (SIGKILL); writes the expected states of steps 1 and 2.
 
