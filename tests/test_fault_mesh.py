@@ -9,8 +9,8 @@ The checks run on 8 virtual CPU devices in a separate process
   engine's result bit for bit, the sharded engine the one-device result, and
   the compiled step has no collective that optax's step lacks beyond the
   all-reduces of rank-1 statistics;
-* the Pallas kernels (interpret mode) on a few drawn meshed cases (slow):
-  the jnp engine's codes, its floats within 1e-5;
+* the Pallas kernels (interpret mode) on the first explicit case and (slow)
+  a few drawn meshed cases: the jnp engine's codes, its floats within 1e-5;
 * a state saved from a (2, 4) mesh restores bit for bit on a (4, 2) mesh and
   on one device, and its next step is the uninterrupted run's, bit for bit:
   a fixed tree, and (slow) drawn trees and optimizers;
@@ -52,8 +52,10 @@ def _random_shardings(examples, impls, modes="none,replicated,auto,explicit"):
 
 def test_shardings():
   """The first explicit case only (classic mesh axes, a sharded float32
-  matrix and bf16 vector); "auto" is "cpu" on an x86-64 CPU with AVX2."""
-  _random_shardings(0, "cpu")
+  matrix and bf16 vector), with the C++ kernel and the Pallas kernels in
+  interpret mode (3 s of CPU more); "auto" is "cpu" on an x86-64 CPU with
+  AVX2."""
+  _random_shardings(0, "cpu,pallas_interpret")
 
 
 @pytest.mark.slow
