@@ -1,17 +1,21 @@
 """Fault finding on 8 virtual CPU devices (issue 37); run by tests/test_fault_mesh.py.
 
-* ``shardings N``: N random trees on random shardings, drawn by hypothesis
-  (derandomized): no sharding (one device), replicated on a classic mesh,
-  classic ``Mesh`` axes (``Auto``) and explicit axes (``jax.set_mesh``), each
-  leaf's axes drawn among those that divide it. For each, every
-  implementation (``"cpu"``, ``"auto"``) gives the jnp engine's result bit for
-  bit over two steps, the sharded jnp engine gives the one-device result (bit
-  for bit but for Factor's float sums), and the compiled step has no
+* ``shardings N IMPLS [MODES]``: N random trees on random shardings, drawn
+  by hypothesis (derandomized) among MODES: no sharding (one device),
+  replicated on a classic mesh, classic ``Mesh`` axes (``Auto``) and
+  explicit axes (``jax.set_mesh``), each leaf's axes drawn among those that
+  divide it. For each, every implementation of IMPLS (``"cpu"``, ``"auto"``:
+  bit for bit; ``"pallas_interpret"``: equal codes, floats within 1e-5)
+  gives the jnp engine's result over two steps, the sharded jnp engine
+  gives the one-device result (bit for bit but for Factor's float sums),
+  and the compiled step has no
   collective that ``optax``'s step on the same tree lacks, beyond the
   all-reduces of rank-1 statistics (a row or column of a leaf).
-* ``remesh DIR``: a state saved from a (2, 4) mesh restores bit for bit on a
-  (4, 2) mesh and on one device, and one more step there gives the
-  uninterrupted run's state bit for bit.
+* ``remesh DIR [N]``: a state saved from a (2, 4) or (4, 2) mesh restores
+  bit for bit on both meshes and on one device, and one more step there gives
+  the uninterrupted run's state bit for bit (Factor's within 1e-5): a fixed
+  4-bit AdamW tree, then (N > 0) a fixed Factor state and N trees and
+  optimizers drawn by hypothesis.
 * ``crash DIR``: saves step 1, then hangs inside the save of step 2 until the
   test kills it (SIGKILL); writes the expected states of steps 1 and 2.
 
@@ -21,6 +25,7 @@ Prints one ``RESULTS <json>`` line (tests/sharding_checks.py's format).
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import os
 import sys
@@ -67,12 +72,13 @@ def _shards(axis, sizes):
   return math.prod(sizes[a] for a in _names(axis))
 
 
+MESH_SHAPES = ((2, 4), (4, 2))
+
+
 @st.composite
-def cases(draw):
-  """``(mode, mesh_shape, optimizer name, {leaf: (shape, dtype, spec, seed)})``."""
-  mode = draw(st.sampled_from(MODES))
-  mesh_shape = draw(st.sampled_from(((2, 4), (4, 2))))
-  sizes = dict(zip(("data", "model"), mesh_shape))
+def trees(draw, sharded, mesh_shapes):
+  """``{leaf: (shape, dtype, spec, seed)}``: 1-3 leaves, each axis on mesh axes
+  (if ``sharded``) that divide it on every mesh of ``mesh_shapes``."""
   leaves = {}
   for i in range(draw(st.integers(1, 3))):
     shape = draw(st.sampled_from(SHAPES))
@@ -82,16 +88,34 @@ def cases(draw):
       # last, into pieces of a multiple of 128 (else blocks would straddle
       # shards: a documented ValueError at init).
       options = [None]
-      if mode in ("auto", "explicit"):
+      if sharded:
         options = [a for a in AXES if a and not used & set(_names(a))
-                   and d % _shards(a, sizes) == 0
-                   and (j < len(shape) - 1 or (d // _shards(a, sizes)) % 128 == 0)] + [None]
+                   and all(d % _shards(a, sizes) == 0 and (
+                       j < len(shape) - 1 or (d // _shards(a, sizes)) % 128 == 0)
+                           for sizes in (dict(zip(("data", "model"), m)) for m in mesh_shapes))
+                   ] + [None]
       axis = draw(st.sampled_from(options))
       used |= set(_names(axis))
       spec.append(axis)
     leaves[f"leaf{i}"] = (shape, draw(st.sampled_from(("float32", "bfloat16"))), tuple(spec),
                           draw(st.integers(0, 2**16)))
+  return leaves
+
+
+@st.composite
+def cases(draw, modes=MODES):
+  """``(mode, mesh_shape, optimizer name, {leaf: (shape, dtype, spec, seed)})``."""
+  mode = draw(st.sampled_from(modes))
+  mesh_shape = draw(st.sampled_from(MESH_SHAPES))
+  leaves = draw(trees(mode in ("auto", "explicit"), [mesh_shape]))
   return mode, mesh_shape, draw(st.sampled_from(sorted(OPTIMIZERS))), leaves
+
+
+def _shardings(leaves, mesh):
+  """Each leaf's `NamedSharding` on ``mesh`` (None: no mesh)."""
+  if mesh is None:
+    return None
+  return {k: NamedSharding(mesh, P(*spec)) for k, (_, _, spec, _) in leaves.items()}
 
 
 def _arrays(leaves, shardings):
@@ -130,17 +154,37 @@ def _statistic_limit(leaves):
   return max(sizes)
 
 
+def _close(x, y, rtol):
+  """Integers (codes) bitwise; floats within ``rtol`` of ``y`` or ``rtol / 10``
+  of the leaf's largest ``|y|`` (tests/test_faults.py's ``_assert_same``: an
+  update that nearly cancels is many of its own ulps off)."""
+  x, y = np.asarray(x), np.asarray(y)
+  if not jnp.issubdtype(y.dtype, jnp.floating):
+    return np.array_equal(x, y)
+  x, y = x.astype(np.float64), y.astype(np.float64)
+  floor = rtol / 10 * np.abs(y).max(initial=0.0, where=np.isfinite(y))
+  return np.allclose(x, y, rtol=rtol, atol=max(floor, 1e-30))
+
+
+def _not_close(a, b, rtol=1e-5):
+  """Paths where two trees differ beyond `_close`."""
+  la = jax.tree_util.tree_flatten_with_path(a)[0]
+  return [jax.tree_util.keystr(p) for (p, x), y in zip(la, jax.tree.leaves(b))
+          if not _close(x, y, rtol)]
+
+
 def one_case(mode, mesh_shape, name, leaves, impls=("cpu", "auto")):
-  """Problems found in one case (empty: none)."""
+  """Problems found in one case (empty: none). The Pallas fused steps give
+  the jnp engine's codes and, to a few ulps, its floats (ARCHITECTURE.md,
+  "Invariants"); the C++ kernel and ``"auto"`` give its bits."""
   make, make_reference = OPTIMIZERS[name]
   problems = []
-  mesh = shardings = None
+  mesh = None
   if mode == "explicit":
     mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   elif mode != "none":
     mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "model"))
-  if mesh is not None:
-    shardings = {k: NamedSharding(mesh, P(*spec)) for k, (_, _, spec, _) in leaves.items()}
+  shardings = _shardings(leaves, mesh)
   one_device, _ = _two_steps(make("jnp"), *_arrays(leaves, None))
   with jax.set_mesh(mesh) if mode == "explicit" else sc._null():  # pylint: disable=protected-access
     params, grads = _arrays(leaves, shardings)
@@ -148,7 +192,7 @@ def one_case(mode, mesh_shape, name, leaves, impls=("cpu", "auto")):
     _, optax_colls = _two_steps(make_reference(), params, grads)
     for impl in impls:
       got, colls = _two_steps(make(impl), params, grads)
-      if diff := sc.tree_equal(got, reference):
+      if diff := (_not_close if impl.startswith("pallas") else sc.tree_equal)(got, reference):
         problems.append(f"{impl} != jnp at {diff}")
       extra = colls - optax_colls
       if any(n > _statistic_limit(leaves) for _, n in extra):
@@ -174,95 +218,137 @@ EXAMPLES = [
 ]
 
 
-def shardings(max_examples="2", impls="cpu,auto"):
-  """Runs `EXAMPLES` (only the first if ``max_examples`` is 0) and
-  ``max_examples`` drawn cases with the implementations ``impls`` (besides the
-  jnp engine); returns how many ran and the failing ones."""
+def _search(strategy, examples, max_examples, problems_of):
+  """Runs ``problems_of`` on ``examples``, then on ``max_examples`` cases
+  drawn from ``strategy`` (derandomized); returns the cases run and the
+  failing ones with their problems."""
   ran, failures = [], []
 
-  @settings(max_examples=max(int(max_examples), 1), deadline=None, derandomize=True,
+  @settings(max_examples=max(max_examples, 1), deadline=None, derandomize=True,
             database=None, suppress_health_check=list(HealthCheck),
-            phases=[Phase.explicit] + ([Phase.generate] if int(max_examples) else []))
-  @given(case=cases())
+            phases=[Phase.explicit] + ([Phase.generate] if max_examples else []))
+  @given(case=strategy)
   def check(case):
-    ran.append(case[:3])
+    ran.append(case)
     try:
-      problems = one_case(*case, impls=impls.split(","))
+      problems = problems_of(case)
     except Exception as e:  # pylint: disable=broad-except
       problems = [f"{type(e).__name__}: {e}"[:2000]]
     if problems:
       failures.append({"case": repr(case), "problems": problems})
 
-  for case in EXAMPLES if int(max_examples) else EXAMPLES[:1]:
+  for case in examples:
     check = example(case=case)(check)
   check()
-  return {"ran": len(ran), "modes": dict(collections.Counter(m for m, _, _ in ran)),
-          "optimizers": dict(collections.Counter(n for _, _, n in ran)), "failures": failures}
+  return ran, failures
+
+
+def shardings(max_examples="2", impls="cpu,auto", modes=",".join(MODES)):
+  """Runs `EXAMPLES` (only the first if ``max_examples`` is 0) and
+  ``max_examples`` cases drawn in ``modes`` with the implementations
+  ``impls`` (besides the jnp engine); returns how many ran and the failing
+  ones."""
+  ran, failures = _search(cases(tuple(modes.split(","))),
+                          EXAMPLES if int(max_examples) else EXAMPLES[:1], int(max_examples),
+                          lambda case: one_case(*case, impls=impls.split(",")))
+  return {"ran": len(ran), "modes": dict(collections.Counter(m for m, *_ in ran)),
+          "optimizers": dict(collections.Counter(n for _, _, n, _ in ran)), "failures": failures,
+          "cases": [repr(case) for case in ran]}
 
 
 # ----------------------------------------------------------------------------
 # Checkpoints.
 
-CKPT_LEAVES = {"w": ((64, 512), P("data", "model")), "v": ((1024,), P("model")),
-               "s": ((16, 128), P("data", None))}
+CKPT_LEAVES = {"w": ((64, 512), "float32", ("data", "model"), 1),
+               "v": ((1024,), "float32", ("model",), 2),
+               "s": ((16, 128), "float32", ("data", None), 3)}
 
 
-def _ckpt_params(mesh):
-  params = {k: jax.random.normal(jax.random.fold_in(jax.random.key(1), i), shape)
-            for i, (k, (shape, _)) in enumerate(sorted(CKPT_LEAVES.items()))}
-  if mesh is None:
-    return jax.device_put(params, jax.devices()[0])
-  return jax.device_put(params, {k: NamedSharding(mesh, spec)
-                                 for k, (_, spec) in CKPT_LEAVES.items()})
+def _ckpt_params(leaves, mesh):
+  return _arrays(leaves, _shardings(leaves, mesh))[0]
 
 
-def _ckpt_train(params, start, steps, state=None):
-  """Steps ``start, ..., start + steps - 1`` of 4-bit AdamW from ``state``
-  (fresh if None), the gradient a function of the step number."""
-  tx = optax4bit.adamw_4bit(1e-2)
+def _ckpt_train(tx, params, start, steps, state=None):
+  """The state after steps ``start, ..., start + steps - 1`` of ``tx`` from
+  ``state`` (fresh if None), the gradient a function of the step number."""
   state = jax.jit(tx.init)(params) if state is None else state
-  update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+  update = _update(tx)
   for i in range(start, start + steps):
     _, state = update(jax.tree.map(lambda p, i=i: jnp.sin(p * 3 + i), params), state, params)
-  return tx, state
+  return state
 
 
-def _target(tx, params, mesh):
+def _target(tx, params, leaves, mesh):
   """Restore target: the state's shardings on ``mesh`` (`state_shardings`),
   or on one device."""
   if mesh is None:
     return checkpoint.abstract(jax.jit(tx.init)(params))
-  return checkpoint.abstract(jax.eval_shape(tx.init, params), optax4bit.state_shardings(
-      tx, params, {k: NamedSharding(mesh, spec) for k, (_, spec) in CKPT_LEAVES.items()}))
+  return checkpoint.abstract(jax.eval_shape(tx.init, params),
+                             optax4bit.state_shardings(tx, params, _shardings(leaves, mesh)))
 
 
 def _as_numpy(tree):
   return jax.tree.map(np.asarray, tree)
 
 
-def remesh(directory):
-  """Saved on (2, 4); restored on (4, 2) and on one device."""
+@st.composite
+def saved_trees(draw):
+  """``(optimizer name, saving mesh shape, leaves)``: leaves sharded so that
+  they fit both meshes of `MESH_SHAPES`."""
+  return (draw(st.sampled_from(sorted(OPTIMIZERS))), draw(st.sampled_from(MESH_SHAPES)),
+          draw(trees(True, MESH_SHAPES)))
+
+
+def _restores(directory, name, mesh_shape, leaves):
+  """Problems of a state saved after 2 steps on a classic ``mesh_shape``
+  mesh, restored on each mesh of `MESH_SHAPES` and on one device: the
+  restored state must be the saved one and its next step the uninterrupted
+  run's, bit for bit (Factor's next step within 1e-5: float sums per shard)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   devices = np.array(jax.devices())
-  meshes = {"(2, 4)": Mesh(devices.reshape(2, 4), ("data", "model")),
-            "(4, 2)": Mesh(devices.reshape(4, 2), ("data", "model")), "one device": None}
-  tx, state = _ckpt_train(_ckpt_params(meshes["(2, 4)"]), 0, 2)
-  saved = _as_numpy(state)
-  _, uninterrupted = _ckpt_train(_ckpt_params(meshes["(2, 4)"]), 2, 1, state)
-  uninterrupted = _as_numpy(uninterrupted)
-  out = {}
+  meshes = {str(m): Mesh(devices.reshape(m), ("data", "model")) for m in MESH_SHAPES}
+  meshes["one device"] = None
+  tx = OPTIMIZERS[name][0]("auto")
+  params = _ckpt_params(leaves, meshes[str(mesh_shape)])
+  state = _ckpt_train(tx, params, 0, 2)
+  saved, uninterrupted = _as_numpy(state), _as_numpy(_ckpt_train(tx, params, 2, 1, state))
+  same_step = _not_close if name == "adamw_4bit_factor" else sc.tree_equal
+  problems = []
   with ocp.CheckpointManager(directory) as manager:
     checkpoint.save(manager, 2, state)
     manager.wait_until_finished()
     for label, mesh in meshes.items():
-      params = _ckpt_params(mesh)
-      restored = checkpoint.restore(manager, _target(tx, params, mesh), 2)
-      devices_used = sorted({d.id for x in jax.tree.leaves(restored) for d in x.sharding.device_set})
-      _, resumed = _ckpt_train(params, 2, 1, restored)
-      out[label] = {"restored_diff": sc.tree_equal(_as_numpy(restored), saved),
-                    "resumed_diff": sc.tree_equal(_as_numpy(resumed), uninterrupted),
-                    "devices": devices_used}
-  return out
+      params = _ckpt_params(leaves, mesh)
+      restored = checkpoint.restore(manager, _target(tx, params, leaves, mesh), 2)
+      if diff := sc.tree_equal(_as_numpy(restored), saved):
+        problems.append(f"restored on {label} != saved at {diff}")
+      if diff := same_step(_as_numpy(_ckpt_train(tx, params, 2, 1, restored)), uninterrupted):
+        problems.append(f"next step on {label} != uninterrupted at {diff}")
+      used = sorted({d.id for x in jax.tree.leaves(restored) for d in x.sharding.device_set})
+      if used != ([0] if mesh is None else sorted(d.id for d in mesh.devices.flat)):
+        problems.append(f"restored on {label} lies on devices {used}")
+  return problems
+
+
+# Factor saved on (4, 2): a matrix on both axes, a bf16 stack on its first.
+FACTOR_SAVED = ("adamw_4bit_factor", (4, 2), {
+    "a": ((64, 1024), "float32", ("data", "model"), 7),
+    "b": ((8, 4, 128), "bfloat16", (("data", "model"), None, None), 8)})
+
+
+def remesh(directory, max_examples="0"):
+  """`_restores` of the tree `CKPT_LEAVES` (4-bit AdamW saved on (2, 4)),
+  then (if ``max_examples``) of `FACTOR_SAVED` and ``max_examples`` drawn
+  trees and optimizers; returns how many ran and the failing ones."""
+  number = itertools.count()
+  fixed = [("adamw_4bit", (2, 4), CKPT_LEAVES)] + ([FACTOR_SAVED] if int(max_examples) else [])
+  ran, failures = _search(saved_trees(), fixed, int(max_examples),
+                          lambda case: _restores(os.path.join(directory, str(next(number))), *case))
+  return {"ran": len(ran), "optimizers": dict(collections.Counter(n for n, *_ in ran)),
+          "failures": failures, "cases": [repr(case) for case in ran]}
+
+
+CRASH_TX = optax4bit.adamw_4bit(1e-2)
 
 
 def crash(directory):
@@ -270,12 +356,12 @@ def crash(directory):
   the save of step 2 (after its data is written, before orbax's commit)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-  params = _ckpt_params(mesh)
-  _, state1 = _ckpt_train(params, 0, 1)
+  params = _ckpt_params(CKPT_LEAVES, mesh)
+  state1 = _ckpt_train(CRASH_TX, params, 0, 1)
   manager = ocp.CheckpointManager(directory)
   checkpoint.save(manager, 1, state1)
   manager.wait_until_finished()
-  _, state2 = _ckpt_train(params, 1, 1, state1)
+  state2 = _ckpt_train(CRASH_TX, params, 1, 1, state1)
   for step, state in ((1, state1), (2, state2)):
     checkpoint_checks.save_expected(os.path.join(directory, "..", f"expected_step{step}.npz"),
                                     state)
@@ -286,11 +372,11 @@ def resume(directory):
   """Restores the latest complete step (on the saving mesh) and takes one step."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-  params = _ckpt_params(mesh)
+  params = _ckpt_params(CKPT_LEAVES, mesh)
   with ocp.CheckpointManager(directory) as manager:
     step = manager.latest_step()
-    restored = checkpoint.restore(manager, _target(optax4bit.adamw_4bit(1e-2), params, mesh))
-  _, resumed = _ckpt_train(params, step, 1, restored)
+    restored = checkpoint.restore(manager, _target(CRASH_TX, params, CKPT_LEAVES, mesh))
+  resumed = _ckpt_train(CRASH_TX, params, step, 1, restored)
   out = {"latest_step": step}
   for label, state in (("restored", restored), ("resumed", resumed)):
     expected = np.load(os.path.join(directory, "..", f"expected_step{step + (label == 'resumed')}.npz"))

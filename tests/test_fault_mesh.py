@@ -9,8 +9,11 @@ The checks run on 8 virtual CPU devices in a separate process
   engine's result bit for bit, the sharded engine the one-device result, and
   the compiled step has no collective that optax's step lacks beyond the
   all-reduces of rank-1 statistics;
+* the Pallas kernels (interpret mode) on the first explicit case and (slow)
+  a few drawn meshed cases: the jnp engine's codes, its floats within 1e-5;
 * a state saved from a (2, 4) mesh restores bit for bit on a (4, 2) mesh and
-  on one device, and its next step is the uninterrupted run's, bit for bit;
+  on one device, and its next step is the uninterrupted run's, bit for bit:
+  a fixed tree, and (slow) drawn trees and optimizers;
 * a run killed (SIGKILL) inside the save of step 2 resumes from step 1, and
   its next step is the uninterrupted run's step 2, bit for bit.
 
@@ -39,8 +42,9 @@ def _value(results, name):
   return entry["value"]
 
 
-def _random_shardings(examples, impls):
-  found = _value(run_json(SCRIPT, "shardings", str(examples), impls, timeout=3000), "shardings")
+def _random_shardings(examples, impls, modes="none,replicated,auto,explicit"):
+  found = _value(run_json(SCRIPT, "shardings", str(examples), impls, modes, timeout=3000),
+                 "shardings")
   assert found["ran"] == examples + (2 if examples else 1), found  # and explicit cases
   assert found["failures"] == [], found
   return found
@@ -48,8 +52,10 @@ def _random_shardings(examples, impls):
 
 def test_shardings():
   """The first explicit case only (classic mesh axes, a sharded float32
-  matrix and bf16 vector); "auto" is "cpu" on an x86-64 CPU with AVX2."""
-  _random_shardings(0, "cpu")
+  matrix and bf16 vector), with the C++ kernel and the Pallas kernels in
+  interpret mode (3 s of CPU more); "auto" is "cpu" on an x86-64 CPU with
+  AVX2."""
+  _random_shardings(0, "cpu,pallas_interpret")
 
 
 @pytest.mark.slow
@@ -59,12 +65,37 @@ def test_random_shardings_many():
 
 
 @pytest.mark.slow
+def test_random_shardings_pallas():
+  """The Pallas kernels (interpret mode) on meshes: the 2 explicit cases and
+  6 drawn on replicated, classic-axis and explicit-axis meshes (one device
+  is tests/test_faults.py's); equal codes, floats within 1e-5 of the jnp
+  engine, no collective beyond optax's."""
+  found = _random_shardings(6, "pallas_interpret", "replicated,auto,explicit")
+  assert set(found["modes"]) <= {"replicated", "auto", "explicit"}, found
+
+
+def _restores(tmp_path, examples):
+  found = _value(run_json(SCRIPT, "remesh", str(tmp_path / "run"), str(examples),
+                          timeout=3000), "remesh")
+  assert found["ran"] == examples + (2 if examples else 1), found  # and the fixed trees
+  assert found["failures"] == [], found
+  return found
+
+
+@pytest.mark.slow
 def test_state_restores_onto_other_meshes(tmp_path):
-  found = _value(run_json(SCRIPT, "remesh", str(tmp_path / "run")), "remesh")
-  assert set(found) == {"(2, 4)", "(4, 2)", "one device"}
-  for label, run in found.items():
-    assert run["restored_diff"] == [] and run["resumed_diff"] == [], (label, run)
-  assert found["one device"]["devices"] == [0]
+  """A 4-bit AdamW state saved on a (2, 4) mesh: restored on (2, 4), (4, 2)
+  and one device, then stepped, bit for bit."""
+  _restores(tmp_path, 0)
+
+
+@pytest.mark.slow
+def test_random_states_restore_onto_other_meshes(tmp_path):
+  """The same for a Factor state saved on (4, 2) and 6 drawn trees (1-3
+  leaves of the sharding suite's shapes, float32 or bf16, on axes that fit
+  both meshes) and optimizers."""
+  found = _restores(tmp_path, 6)
+  assert "adamw_4bit_factor" in found["optimizers"], found
 
 
 @pytest.mark.slow
