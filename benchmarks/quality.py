@@ -46,8 +46,10 @@ Problems (CPU, jitted, no downloads):
   steps; each reports the paired difference of every variant's gap to the
   paper recipe's.
 
-``--variants`` also takes issue 40's candidate recipes (`CANDIDATE_VARIANTS`)
-and ``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`); ``--diagnose``
+``--variants`` also takes issue 40's candidate recipes (`CANDIDATE_VARIANTS`),
+``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`) and rounding rules the
+library does not have, simulated in float32 (`SIMULATED_VARIANTS`,
+`scale_by_adam_simulated_4bit`: the same 4-bit values, not the bytes); ``--diagnose``
 reports `optax4bit.diagnostics`' update-direction error of the chosen LMs.
 
 ``lsq``, ``mlp`` and ``sciml`` quantize every leaf (``min_quantize_size=0``)
@@ -149,8 +151,20 @@ CANDIDATE_VARIANTS = {
 # Adam with an Adafactor-factored second moment, both moments float32
 # (`scale_by_factored_adam_fp32`): what 4-bit Factor would be without 4 bits.
 FACTOR_FP32 = "adamw_factor_fp32"
+# Issue 40's "stochastic rounding only where the EMA stalls", simulated in
+# float32 (`scale_by_adam_simulated_4bit`): m in B128/NF, v in the default's
+# Rank-1/SqrtDE-0; m rounded stochastically always ("sr", the default's rule),
+# never ("nearest"), or only where rounding to nearest would give m the code
+# its old value has under the new scale ("stall").
+SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
+                      "sim_4bit_m_nearest": ("nearest", "Rank-1/SqrtDE-0"),
+                      "sim_4bit_m_stall_sr": ("stall", "Rank-1/SqrtDE-0"),
+                      "sim_4bit_m_sr_v_de0": ("sr", "Rank-1/DE-0"),
+                      "sim_4bit_m_stall_sr_v_de0": ("stall", "Rank-1/DE-0"),
+                      "sim_4bit_m_stall_sr_v_linear": ("stall", "Rank-1/Linear")}
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
-VARIANTS = DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32,)
+VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32,)
+            + tuple(SIMULATED_VARIANTS))
 
 
 def candidate_specs(variant: str) -> dict:
@@ -168,7 +182,8 @@ def _accepts(fn: Callable, argument: str) -> bool:
 
 def variant_unavailable(variant: str) -> Optional[str]:
   """Why this library cannot build ``variant`` (None when it can)."""
-  if variant in (REFERENCE, FACTOR_FP32) or variant in CANDIDATE_VARIANTS:
+  if variant in (REFERENCE, FACTOR_FP32) or variant in CANDIDATE_VARIANTS or \
+      variant in SIMULATED_VARIANTS:
     return None
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if recipe is not None and not _accepts(getattr(optax4bit, builder), "recipe"):
@@ -183,6 +198,10 @@ def variant_quantizers(variant: str) -> dict:
     return {"first_moment": "fp32", "second_moment": "fp32"}
   if variant == FACTOR_FP32:
     return {"first_moment": "fp32", "second_moment": "Factor fp32 (ndim >= 2), fp32 (1-D)"}
+  if variant in SIMULATED_VARIANTS:
+    rounding, second = SIMULATED_VARIANTS[variant]
+    return {"first_moment": f"B128/NF simulated, rounding {rounding}",
+            "second_moment": f"{second} simulated"}
   if variant in CANDIDATE_VARIANTS:
     resolved = optax4bit.recipes.resolve("default", **candidate_specs(variant))
     return {"first_moment": repr(resolved.first_moment),
@@ -229,6 +248,11 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
   if variant == REFERENCE:
     tx = optax.adamw(lr, weight_decay=t.weight_decay, mask=mask) if t.weight_decay else \
         optax.adam(lr)
+  elif variant in SIMULATED_VARIANTS:
+    tx = optax.chain(scale_by_adam_simulated_4bit(*SIMULATED_VARIANTS[variant], seed,
+                                                  t.min_quantize_size),
+                     optax.add_decayed_weights(t.weight_decay, mask),
+                     optax.scale_by_learning_rate(lr))
   elif variant == FACTOR_FP32:
     tx = optax.chain(scale_by_factored_adam_fp32(),
                      optax.add_decayed_weights(t.weight_decay, mask),
@@ -248,6 +272,67 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
   if t.clip_norm:
     tx = optax.chain(optax.clip_by_global_norm(t.clip_norm), tx)
   return tx
+
+
+def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
+                                 min_quantize_size: int,
+                                 b1: float = 0.9, b2: float = 0.999,
+                                 eps: float = 1e-8) -> optax.GradientTransformation:
+  """Adam whose moments of leaves over ``min_quantize_size`` elements are
+  quantized and dequantized every step (float32 storage, 4-bit values): m in
+  ``B128/NF``, v in ``Rank-1/SqrtDE-0`` to nearest. ``rounding`` of m:
+  ``"sr"`` (stochastic), ``"nearest"``, or ``"stall"`` (stochastic only for
+  elements whose nearest code equals that of their old value under the new
+  scales, i.e. where nearest rounding would not move the code)."""
+  from optax4bit.quant import maps, normalize  # pylint: disable=import-outside-toplevel
+  m_spec = optax4bit.QuantSpec.parse("B128/NF")
+  v_spec = optax4bit.QuantSpec.parse(second_moment)
+
+  def quantized_m(m_new, m_old, uniform):
+    layout = normalize.layout_for(m_spec, m_new.shape)
+    scales = normalize.compute_scales(normalize.finite_abs(m_new), layout)
+    encode = lambda x: maps.encode_nearest(normalize.normalize(x, scales, layout), "NF", 4, True)
+    nearest = encode(m_new)
+    rounded = maps.encode_stochastic(normalize.normalize(m_new, scales, layout), uniform,
+                                     "NF", 4, True)
+    if rounding == "sr":
+      codes = rounded
+    elif rounding == "nearest":
+      codes = nearest
+    else:
+      codes = jnp.where(nearest == encode(m_old), rounded, nearest)
+    return maps.decode(codes, "NF", 4, True) * normalize.expand_scales(scales, layout,
+                                                                      m_new.shape)
+
+  def init(params):
+    zeros = lambda p: jnp.zeros_like(p, jnp.float32)
+    return {"count": jnp.zeros([], jnp.int32), "mu": jax.tree.map(zeros, params),
+            "nu": jax.tree.map(zeros, params)}
+
+  def update(updates, state, params=None):
+    del params
+    count = state["count"] + 1
+    leaves, treedef = jax.tree.flatten(updates)
+    mus, nus = jax.tree.leaves(state["mu"]), jax.tree.leaves(state["nu"])
+    new_mu, new_nu, out = [], [], []
+    for index, (g, m, v) in enumerate(zip(leaves, mus, nus)):
+      g32 = g.astype(jnp.float32)
+      m_new = b1 * m + (1 - b1) * g32
+      v_new = b2 * v + (1 - b2) * g32 * g32
+      if g.size > min_quantize_size and g.ndim >= 1:
+        seed_u32 = maps.mix32(jnp.uint32(seed) ^ maps.mix32(count.astype(jnp.uint32)
+                                                           ^ jnp.uint32(index * 7919)))
+        m_new = quantized_m(m_new, m, maps.hashed_uniform(seed_u32, g.shape))
+        v_new = optax4bit.dequantize(optax4bit.quantize(v_new, v_spec))
+      new_mu.append(m_new)
+      new_nu.append(v_new)
+      m_hat = m_new / (1 - b1 ** count)
+      v_hat = v_new / (1 - b2 ** count)
+      out.append((m_hat / (jnp.sqrt(v_hat) + eps)).astype(g.dtype))
+    unflatten = lambda xs: jax.tree.unflatten(treedef, xs)
+    return unflatten(out), {"count": count, "mu": unflatten(new_mu), "nu": unflatten(new_nu)}
+
+  return optax.GradientTransformation(init, update)
 
 
 def scale_by_factored_adam_fp32(b1: float = 0.9, b2: float = 0.999,
