@@ -291,16 +291,16 @@ def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
   def quantized_m(m_new, m_old, uniform):
     layout = normalize.layout_for(m_spec, m_new.shape)
     scales = normalize.compute_scales(normalize.finite_abs(m_new), layout)
-    encode = lambda x: maps.encode_nearest(normalize.normalize(x, scales, layout), "NF", 4, True)
-    nearest = encode(m_new)
-    rounded = maps.encode_stochastic(normalize.normalize(m_new, scales, layout), uniform,
-                                     "NF", 4, True)
+    nearest = lambda x: maps.encode_nearest(normalize.normalize(x, scales, layout), "NF", 4, True)
+    rounded = lambda: maps.encode_stochastic(normalize.normalize(m_new, scales, layout), uniform,
+                                             "NF", 4, True)
     if rounding == "sr":
-      codes = rounded
+      codes = rounded()
     elif rounding == "nearest":
-      codes = nearest
+      codes = nearest(m_new)
     else:
-      codes = jnp.where(nearest == encode(m_old), rounded, nearest)
+      near = nearest(m_new)
+      codes = jnp.where(near == nearest(m_old), rounded(), near)
     return maps.decode(codes, "NF", 4, True) * normalize.expand_scales(scales, layout,
                                                                       m_new.shape)
 
