@@ -173,11 +173,11 @@ CASES: dict = {
     "quantize B128/NF stochastic": _quantize(optax4bit.recipes.RECIPES["default"].first_moment),
     "quantize B128/DE": _quantize("B128/DE"),
     "quantize Rank-1/Linear": _quantize("Rank-1/Linear"),
-    "quantize Rank-1/SqrtDE-0": _quantize("Rank-1/SqrtDE-0"),
+    "quantize Rank-1/SqrtLinear": _quantize("Rank-1/SqrtLinear"),
     "dequantize B128/NF": _dequantize("B128/NF"),
     "dequantize B128/DE": _dequantize("B128/DE"),
     "dequantize Rank-1/Linear": _dequantize("Rank-1/Linear"),
-    "dequantize Rank-1/SqrtDE-0": _dequantize("Rank-1/SqrtDE-0"),
+    "dequantize Rank-1/SqrtLinear": _dequantize("Rank-1/SqrtLinear"),
     "adamw_4bit default": _update(lambda: optax4bit.adamw_4bit(1e-3, **_PALLAS)),
     "adamw_4bit paper": _update(lambda: optax4bit.adamw_4bit(1e-3, recipe="paper", **_PALLAS)),
     "adamw_4bit paper nesterov": _update(

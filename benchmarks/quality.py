@@ -147,13 +147,16 @@ CANDIDATE_VARIANTS = {
     "adamw_4bit_m_b64_nf_sr": (("B64/NF", True), None),
     "adamw_4bit_m_b32_nf_sr": (("B32/NF", True), None),
     "adamw_4bit_m_nf_nearest_v_sr": (("B128/NF", False), ("Rank-1/SqrtDE-0", True)),
+    # The default's second moment until 2026-11-27 (issue 40).
+    "adamw_4bit_v_sqrtde0": (None, ("Rank-1/SqrtDE-0", False)),
+    "adamw_4bit_m_de_nearest_v_sqrtlinear": (("B128/DE", False), ("Rank-1/SqrtLinear", False)),
 }
 # Adam with an Adafactor-factored second moment, both moments float32
 # (`scale_by_factored_adam_fp32`): what 4-bit Factor would be without 4 bits.
 FACTOR_FP32 = "adamw_factor_fp32"
 # Issue 40's "stochastic rounding only where the EMA stalls", simulated in
-# float32 (`scale_by_adam_simulated_4bit`): m in B128/NF, v in the default's
-# Rank-1/SqrtDE-0; m rounded stochastically always ("sr", the default's rule),
+# float32 (`scale_by_adam_simulated_4bit`): m in B128/NF (or the third entry),
+# v in the second; m rounded stochastically always ("sr", the default's rule),
 # never ("nearest"), or only where rounding to nearest would give m the code
 # its old value has under the new scale ("stall").
 SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
@@ -161,7 +164,11 @@ SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_stall_sr": ("stall", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_sr_v_de0": ("sr", "Rank-1/DE-0"),
                       "sim_4bit_m_stall_sr_v_de0": ("stall", "Rank-1/DE-0"),
-                      "sim_4bit_m_stall_sr_v_linear": ("stall", "Rank-1/Linear")}
+                      "sim_4bit_m_stall_sr_v_linear": ("stall", "Rank-1/Linear"),
+                      "sim_4bit_m_stall_sr_v_sqrtlinear": ("stall", "Rank-1/SqrtLinear"),
+                      "sim_4bit_m_sr_v_sqrtlinear": ("sr", "Rank-1/SqrtLinear"),
+                      "sim_4bit_m_de_stall_sr_v_sqrtlinear": ("stall", "Rank-1/SqrtLinear",
+                                                              "B128/DE")}
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
 VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32,)
             + tuple(SIMULATED_VARIANTS))
@@ -199,8 +206,8 @@ def variant_quantizers(variant: str) -> dict:
   if variant == FACTOR_FP32:
     return {"first_moment": "fp32", "second_moment": "Factor fp32 (ndim >= 2), fp32 (1-D)"}
   if variant in SIMULATED_VARIANTS:
-    rounding, second = SIMULATED_VARIANTS[variant]
-    return {"first_moment": f"B128/NF simulated, rounding {rounding}",
+    rounding, second, *first = SIMULATED_VARIANTS[variant]
+    return {"first_moment": f"{first[0] if first else 'B128/NF'} simulated, rounding {rounding}",
             "second_moment": f"{second} simulated"}
   if variant in CANDIDATE_VARIANTS:
     resolved = optax4bit.recipes.resolve("default", **candidate_specs(variant))
@@ -249,8 +256,9 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
     tx = optax.adamw(lr, weight_decay=t.weight_decay, mask=mask) if t.weight_decay else \
         optax.adam(lr)
   elif variant in SIMULATED_VARIANTS:
-    tx = optax.chain(scale_by_adam_simulated_4bit(*SIMULATED_VARIANTS[variant], seed,
-                                                  t.min_quantize_size),
+    rounding, second, *first = SIMULATED_VARIANTS[variant]
+    tx = optax.chain(scale_by_adam_simulated_4bit(rounding, second, seed, t.min_quantize_size,
+                                                  *first),
                      optax.add_decayed_weights(t.weight_decay, mask),
                      optax.scale_by_learning_rate(lr))
   elif variant == FACTOR_FP32:
@@ -275,25 +283,26 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
 
 
 def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
-                                 min_quantize_size: int,
+                                 min_quantize_size: int, first_moment: str = "B128/NF",
                                  b1: float = 0.9, b2: float = 0.999,
                                  eps: float = 1e-8) -> optax.GradientTransformation:
   """Adam whose moments of leaves over ``min_quantize_size`` elements are
   quantized and dequantized every step (float32 storage, 4-bit values): m in
-  ``B128/NF``, v in ``Rank-1/SqrtDE-0`` to nearest. ``rounding`` of m:
+  ``first_moment``, v in ``second_moment`` to nearest. ``rounding`` of m:
   ``"sr"`` (stochastic), ``"nearest"``, or ``"stall"`` (stochastic only for
   elements whose nearest code equals that of their old value under the new
   scales, i.e. where nearest rounding would not move the code)."""
   from optax4bit.quant import maps, normalize  # pylint: disable=import-outside-toplevel
-  m_spec = optax4bit.QuantSpec.parse("B128/NF")
+  m_spec = optax4bit.QuantSpec.parse(first_moment)
+  m_map = m_spec.mapping
   v_spec = optax4bit.QuantSpec.parse(second_moment)
 
   def quantized_m(m_new, m_old, uniform):
     layout = normalize.layout_for(m_spec, m_new.shape)
     scales = normalize.compute_scales(normalize.finite_abs(m_new), layout)
-    nearest = lambda x: maps.encode_nearest(normalize.normalize(x, scales, layout), "NF", 4, True)
+    nearest = lambda x: maps.encode_nearest(normalize.normalize(x, scales, layout), m_map, 4, True)
     rounded = lambda: maps.encode_stochastic(normalize.normalize(m_new, scales, layout), uniform,
-                                             "NF", 4, True)
+                                             m_map, 4, True)
     if rounding == "sr":
       codes = rounded()
     elif rounding == "nearest":
@@ -301,7 +310,7 @@ def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
     else:
       near = nearest(m_new)
       codes = jnp.where(near == nearest(m_old), rounded(), near)
-    return maps.decode(codes, "NF", 4, True) * normalize.expand_scales(scales, layout,
+    return maps.decode(codes, m_map, 4, True) * normalize.expand_scales(scales, layout,
                                                                       m_new.shape)
 
   def init(params):
@@ -1216,9 +1225,37 @@ def main(argv=None) -> dict:
     if os.path.exists(path):
       with open(path) as f:
         out = json.load(f)
-    out["problems"].update(results)
+    for name, entry in results.items():
+      out["problems"][name] = merge_unrun_variants(out["problems"].get(name), entry)
     C.save_json(path, out)
   return results
+
+
+# A problem's entry fields keyed by variant.
+_PER_VARIANT_FIELDS = ("quantizers", "state_bytes_per_param", "paired", "accuracy")
+
+
+def merge_unrun_variants(previous: Optional[dict], entry: dict) -> dict:
+  """``entry`` plus the variants of ``previous`` that this run did not train,
+  when both hold the same reference runs (same training, seeds and reference
+  values at every checkpoint: the pairs are then the same runs). Otherwise
+  ``entry`` alone."""
+  if not previous or any(previous.get(k) != entry.get(k)
+                         for k in ("training", "settings", "seeds", "reference", "checkpoints")):
+    return entry
+  reference = entry["reference"]
+  if previous["paired"].get(reference) != entry["paired"].get(reference):
+    return entry
+  merged = dict(entry)
+  for field in _PER_VARIANT_FIELDS:
+    if field in previous:
+      merged[field] = {**{v: x for v, x in previous[field].items()
+                          if v not in entry["paired"]}, **entry.get(field, {})}
+  kept = sorted(set(previous["paired"]) - set(entry["paired"]))
+  if kept:
+    merged["variants_from_previous_run"] = {"environment": previous["environment"],
+                                            "variants": kept}
+  return merged
 
 
 def run_diagnostics(args, variants: list, write: bool) -> dict:

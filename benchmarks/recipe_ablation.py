@@ -56,10 +56,12 @@ CONFIGS = {
     "m NF stochastic": (NF_SR, "Rank-1/Linear"),
     "v Rank-1/DE-0": (DE, "Rank-1/DE-0"),
     "v Rank-1/SqrtDE-0": (DE, "Rank-1/SqrtDE-0"),
+    "v Rank-1/SqrtLinear": (DE, "Rank-1/SqrtLinear"),
     "m DE stochastic, v SqrtDE-0": (DE_SR, "Rank-1/SqrtDE-0"),
     # The best nearest-rounding pair: no random draws in the kernels.
     "m NF, v SqrtDE-0 (both nearest)": (NF, "Rank-1/SqrtDE-0"),
-    "default (NF stochastic, SqrtDE-0)": (NF_SR, "Rank-1/SqrtDE-0"),
+    "0.1.0's default (NF stochastic, SqrtDE-0)": (NF_SR, "Rank-1/SqrtDE-0"),
+    "default (NF stochastic, SqrtLinear)": (NF_SR, "Rank-1/SqrtLinear"),
 }
 
 

@@ -141,7 +141,7 @@ def adamw_4bit(
 
   About 1 byte per parameter instead of 8. With the default recipe the first
   moment is stored ``B128/NF`` (block-wise normal-float, stochastic rounding),
-  the second ``Rank-1/SqrtDE-0`` (rank-1 normalization of ``sqrt(v)``);
+  the second ``Rank-1/SqrtLinear`` (rank-1 normalization of ``sqrt(v)``);
   ``recipe="paper"`` gives the paper's ``B128/DE`` and ``Rank-1/Linear`` (see
   `optax4bit.recipes`). Weight decay is decoupled and applied exactly as in
   ``optax.adamw``:

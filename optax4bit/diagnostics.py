@@ -32,12 +32,12 @@ Example:
   ...   updates, state = update(grads, state, params)
   >>> (leaf,) = diagnostics.quantization_report(state)
   >>> leaf.path, leaf.m_spec, leaf.v_spec, leaf.v_zero_fraction
-  ("['w']", 'B128/NF stochastic', 'Rank-1/SqrtDE-0', 0.0)
+  ("['w']", 'B128/NF stochastic', 'Rank-1/SqrtLinear', 0.0)
   >>> 0 < leaf.rel_err_m < 0.3 and 0 < leaf.rel_err_direction < 0.5
   True
   >>> print(diagnostics.format_report([leaf]))  # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
   path shape m v err m err v err dir v=0 m rows/cols v rows/cols bytes
-  ['w'] 128x256 B128/NF stochastic Rank-1/SqrtDE-0 ...
+  ['w'] 128x256 B128/NF stochastic Rank-1/SqrtLinear ...
 """
 
 from __future__ import annotations

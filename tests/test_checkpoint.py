@@ -46,7 +46,7 @@ def test_describe_names_quantizers():
   assert mu["kind"] == "quantized" and mu["shape"] == [256, 256]
   assert mu["spec"]["normalization"] == "block" and mu["spec"]["block_size"] == 128
   assert mu["spec"]["mapping"] == "NF" and mu["spec"]["stochastic"]
-  assert leaves["['opt_state'][0].nu['w']"]["spec"]["mapping"] == "SqrtDE-0"
+  assert leaves["['opt_state'][0].nu['w']"]["spec"]["mapping"] == "SqrtLinear"
   assert leaves["['opt_state'][0].mu['b']"] == {"kind": "array", "shape": [8],
                                                "dtype": "float32"}
 
@@ -118,7 +118,7 @@ def test_resume_on_other_mesh_only_changes_float_sums(roundtrip):
 def test_restore_with_other_optimizer_fails_clearly(roundtrip):
   mismatch = roundtrip["mismatch"]
   assert "Rank-1/DE-0" in mismatch["second_moment_DE-0"]
-  assert "Rank-1/SqrtDE-0" in mismatch["second_moment_DE-0"]
+  assert "Rank-1/SqrtLinear" in mismatch["second_moment_DE-0"]
   assert "target expects array" in mismatch["min_quantize_size"]
   assert "state structures differ" in mismatch["sgdm_4bit"]
 
@@ -202,7 +202,7 @@ def test_nnx_state_restore_refuses_other_quantizers(tmp_path, split):
       assert "['mu']['dense']['kernel']['scales'][0]" in message
       assert "B128/NF" in message and "B128/DE" in message
       assert "['nu']['dense']['kernel']['scales'][1]" in message
-      assert "Rank-1/SqrtDE-0" in message and "Rank-1/Linear" in message
+      assert "Rank-1/SqrtLinear" in message and "Rank-1/Linear" in message
     # The same optimizer restores bit for bit, and training goes on from it.
     _, fresh = _nnx_optimizer(optax4bit.adamw_4bit(1e-3))
     restored = checkpoint.restore(manager, take(fresh))
@@ -215,7 +215,8 @@ def test_nnx_state_restore_refuses_other_quantizers(tmp_path, split):
 
 def test_quantizer_key_round_trips():
   from optax4bit.quant import array as qarray  # pylint: disable=import-outside-toplevel
-  for name in ("B128/NF", "B2048/DE", "Rank-1/SqrtDE-0", "Tensor/Linear", "Rank-1/DE-0"):
+  for name in ("B128/NF", "B2048/DE", "Rank-1/SqrtDE-0", "Rank-1/SqrtLinear", "Tensor/Linear",
+               "Rank-1/DE-0"):
     for stochastic in (False, True):
       spec = optax4bit.QuantSpec.parse(name, stochastic=stochastic)
       assert qarray.spec_of_key(qarray.quantizer_key(spec)) == spec

@@ -321,6 +321,7 @@ BITWISE_CASES = [
     ("paper", None, None, True),
     ("default", STOCHASTIC_DE, "Rank-1/Linear", False),  # the other pairings
     ("paper", "B128/NF", "Rank-1/SqrtDE-0", False),
+    ("paper", "B128/NF", "Rank-1/SqrtLinear", False),
 ]
 
 

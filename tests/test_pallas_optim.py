@@ -74,7 +74,7 @@ def _adam_moments(g, old):
 
 
 # The scale_by_* builders and aliases default to the "default" recipe (first
-# moment B128/NF with stochastic rounding, second moment Rank-1/SqrtDE-0);
+# moment B128/NF with stochastic rounding, second moment Rank-1/SqrtLinear);
 # "*_paper" variants run the paper's (B128/DE, Rank-1/Linear, nearest).
 VARIANTS = {
     "adam": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2), _adam_moments),
@@ -163,8 +163,9 @@ def _check_codes(new_ref: QuantizedArray, new_pal: QuantizedArray, value64: np.n
     table = optax4bit.qmap(new_ref.spec.mapping, 4, new_ref.spec.signed)
     if new_ref.spec.stochastic:
       tie = _near_stochastic_tie(n64, table, uniform)
-    elif new_ref.spec.mapping == "SqrtDE-0":  # nearest entry of sqrt(n) in DE-0
-      tie = near_midpoint(np.sqrt(np.maximum(n64, 0)), optax4bit.qmap("DE-0"), ulps=8)
+    elif new_ref.spec.mapping in ("SqrtDE-0", "SqrtLinear"):  # nearest in the square root
+      roots = optax4bit.qmap(new_ref.spec.mapping[len("Sqrt"):], 4, False)
+      tie = near_midpoint(np.sqrt(np.maximum(n64, 0)), roots, ulps=8)
     else:
       tie = near_midpoint(n64, table, ulps=8)
     assert tie[differ].all(), f"{int(differ.sum())} codes differ away from rounding ties"
@@ -265,10 +266,10 @@ def test_half_precision_grads(dtype):
     pytest.param("sgdm_4bit", jnp.float32, marks=pytest.mark.slow),
     ("sgdm_4bit", jnp.bfloat16)])
 def test_default_recipe_matches_jnp(variant, dtype):
-  """The default recipe (stochastic B128/NF first moment, Rank-1/SqrtDE-0
+  """The default recipe (stochastic B128/NF first moment, Rank-1/SqrtLinear
   second moment) runs the kernels, and they draw the reference's numbers:
   codes, scales and updates as in the other equality tests, on a ragged 2-D
-  and a 1-D leaf (whose second moment falls back to B128/SqrtDE-0)."""
+  and a 1-D leaf (whose second moment falls back to B128/SqrtLinear)."""
   shapes = {"a": SHAPES["a"], "v": SHAPES["v"]}
   make, _ = VARIANTS[variant]
   tx = make(min_quantize_size=0, implementation=INTERPRET_ROWS)
@@ -432,7 +433,7 @@ def _triton_calls(exported) -> int:
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_update_lowers_for_cuda(name, dtype):
   """Every update lowers for CUDA (the default recipe: stochastic rounding,
-  NF and SqrtDE-0 maps); it runs as many kernels as the paper's recipe,
+  NF and SqrtLinear maps); it runs as many kernels as the paper's recipe,
   which lowers too, i.e. none of its leaves falls back to the jnp path."""
   params = {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
   tx = OPTIMIZERS[name]()

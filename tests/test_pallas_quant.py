@@ -127,7 +127,7 @@ def _gather_row(table, index):
 
 
 _TABLES = [("NF", True), ("DE", True), ("DE", False), ("DE-0", False), ("SqrtDE-0", False),
-           ("Linear", False)]
+           ("SqrtLinear", False), ("Linear", False)]
 
 
 def _bucket_edges(bucket) -> np.ndarray:

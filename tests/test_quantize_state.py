@@ -434,7 +434,7 @@ def test_galore_projected_moments_are_quantized():
   state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((128, 128), jnp.float32)})
   adam = state.inner_state[0].base_optimizer_state
   assert is_qa(adam.mu["w"]) and adam.mu["w"].shape == (32, 128)
-  assert is_qa(adam.nu["w"]) and adam.nu["w"].spec.name == "Rank-1/SqrtDE-0"
+  assert is_qa(adam.nu["w"]) and adam.nu["w"].spec.name == "Rank-1/SqrtLinear"
   assert not is_qa(state.inner_state[0].projector["w"])
   fp32, quantized = galore_least_squares(make()), galore_least_squares(tx)
   assert quantized < 1.5 * fp32, (quantized, fp32)

@@ -52,11 +52,19 @@ def test_sqrt_de0_table_is_squared_spec_de0():
   assert np.all(qmap("SqrtDE-0") > 0), "zero-free"
 
 
+def test_sqrt_linear_table_is_squared_linear():
+  expected = np.float32([(i + 1) ** 2 / 256 for i in range(16)])
+  np.testing.assert_array_equal(qmap("SqrtLinear"), expected)
+  assert qmap("SqrtLinear")[0] == 1 / 256, "zero-free, down to 1/256 of the scale"
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mapping="NF", signed=False), "no unsigned table"),
     (dict(mapping="SqrtDE-0", signed=True), "no signed table"),
     (dict(mapping="NF", bits=8), "4 bits only"),
     (dict(mapping="SqrtDE-0", bits=8), "4 bits only"),
+    (dict(mapping="SqrtLinear", signed=True), "no signed table"),
+    (dict(mapping="SqrtLinear", bits=8), "4 bits only"),
 ])
 def test_new_map_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -77,10 +85,13 @@ def test_parse_new_maps():
 # --- Nearest rounding. --------------------------------------------------------
 
 
-def _sqrt_de0_reference(values) -> np.ndarray:
-  """Nearest DE-0 entry to sqrt(n), ties to the lower index, in exact rational
-  arithmetic: code = number of DE-0 midpoints m with n > m**2."""
-  roots = [fractions.Fraction(float(np.float32(t))) for t in SPEC_DE0_4BIT]
+SPEC_LINEAR_4BIT = [(i + 1) / 16 for i in range(16)]
+
+
+def _sqrt_map_reference(values, root_table=SPEC_DE0_4BIT) -> np.ndarray:
+  """Nearest ``root_table`` entry to sqrt(n), ties to the lower index, in exact
+  rational arithmetic: code = number of midpoints m of the roots with n > m**2."""
+  roots = [fractions.Fraction(float(np.float32(t))) for t in root_table]
   squared_midpoints = [((a + b) / 2) ** 2 for a, b in zip(roots[:-1], roots[1:])]
   codes = []
   for v in np.asarray(values, np.float32).ravel():
@@ -92,25 +103,30 @@ def _sqrt_de0_reference(values) -> np.ndarray:
   return np.asarray(codes)
 
 
-def _near_squared_midpoints() -> np.ndarray:
-  t = np.asarray(SPEC_DE0_4BIT, np.float32).astype(np.float64)
+def _near_squared_midpoints(root_table=SPEC_DE0_4BIT) -> np.ndarray:
+  t = np.asarray(root_table, np.float32).astype(np.float64)
   centres = np.concatenate([((t[:-1] + t[1:]) / 2) ** 2, t**2]).astype(np.float32)
   ints = centres.view(np.int32)[:, None] + np.arange(-3, 4, dtype=np.int32)
   extra = np.float32([0, -0.0, 1, 1.5, -1, 1e-38, 1e-45, 3.4e38, np.inf, -np.inf])
   return np.concatenate([ints.view(np.float32).ravel(), extra])
 
 
-def test_sqrt_de0_encodes_nearest_in_the_square_root():
-  values = _near_squared_midpoints()
-  got = np.asarray(jax.jit(lambda n: maps.encode_nearest(n, "SqrtDE-0", 4, False))(values))
-  np.testing.assert_array_equal(got, _sqrt_de0_reference(values))
+_SQRT_MAPS = [("SqrtDE-0", SPEC_DE0_4BIT), ("SqrtLinear", SPEC_LINEAR_4BIT)]
 
 
+@pytest.mark.parametrize("mapping,roots", _SQRT_MAPS)
+def test_sqrt_maps_encode_nearest_in_the_square_root(mapping, roots):
+  values = _near_squared_midpoints(roots)
+  got = np.asarray(jax.jit(lambda n: maps.encode_nearest(n, mapping, 4, False))(values))
+  np.testing.assert_array_equal(got, _sqrt_map_reference(values, roots))
+
+
+@pytest.mark.parametrize("mapping,roots", _SQRT_MAPS)
 @hypothesis.settings(max_examples=20, deadline=None)
 @hypothesis.given(st.lists(st.floats(0, 1.25, width=32), min_size=64, max_size=64))
-def test_sqrt_de0_matches_reference_property(values):
-  got = np.asarray(maps.encode_nearest(jnp.float32(values), "SqrtDE-0", 4, False))
-  np.testing.assert_array_equal(got, _sqrt_de0_reference(values))
+def test_sqrt_maps_match_reference_property(mapping, roots, values):
+  got = np.asarray(maps.encode_nearest(jnp.float32(values), mapping, 4, False))
+  np.testing.assert_array_equal(got, _sqrt_map_reference(values, roots))
 
 
 def test_nf_encodes_nearest_entry():
@@ -187,9 +203,9 @@ def test_hashed_stochastic_rounding_is_unbiased(name):
 def test_recipes_resolve():
   default, paper = recipes.RECIPES["default"], recipes.RECIPES["paper"]
   assert default.first_moment == QuantSpec("block", "NF", 4, True, 128, stochastic=True)
-  assert default.second_moment == QuantSpec.parse("Rank-1/SqrtDE-0")
+  assert default.second_moment == QuantSpec.parse("Rank-1/SqrtLinear")
   assert paper == (QuantSpec.parse("B128/DE"), QuantSpec.parse("Rank-1/Linear"))
-  mixed = recipes.resolve("paper", second_moment="Rank-1/SqrtDE-0")
+  mixed = recipes.resolve("paper", second_moment="Rank-1/SqrtLinear")
   assert mixed == (paper.first_moment, default.second_moment)
   with pytest.raises(ValueError, match="recipe must be one of"):
     optax4bit.adamw_4bit(1e-3, recipe="bitsandbytes")

@@ -7,7 +7,7 @@ On the CPU backend ``implementation="auto"`` (the default of every optimizer)
 runs, on CPUs where it beats the jnp path (`faster_than_jnp`; `isa` names the
 ISA path it runs), leaves of two axes or more (stacked layers run as their
 rows) quantized with the default recipe (``B128/NF``
-stochastic, ``Rank-1/SqrtDE-0``), the paper's (``B128/DE``,
+stochastic, ``Rank-1/SqrtLinear``), the paper's (``B128/DE``,
 ``Rank-1/Linear``) or ``adamw_8bit``'s (``B256/DE``, 8 bits) through it;
 ``implementation="cpu"`` asks for it explicitly and ``"jnp"`` turns it off.
 It is built at install time from ``kernels.cc`` when a C++17 compiler is

@@ -8,10 +8,11 @@ row kernels (its ISA paths included):
 * ``decode``: ``table[code] * scale`` of ``B128`` (any 4-bit map) or
   ``Rank-1`` codes (the scale ``min(row max, column max)``);
 * ``encode_block``: ``B128`` codes and block maxima of float32 values under a
-  4-bit map encoded by thresholds (``DE``, ``NF``, ``DE-0``, ``SqrtDE-0``),
+  4-bit map encoded by thresholds (``DE``, ``NF``, ``DE-0``, ``SqrtDE-0``,
+  ``SqrtLinear``),
   rounded to the nearest entry or stochastically (the draws of
   `optax4bit.quant.maps.hashed_uniform`);
-* ``encode_rank1``: ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` codes under given
+* ``encode_rank1``: ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear`` codes under given
   scales (those of the whole leaf, from the engine's first pass).
 
 Each equals `optax4bit.quant.array.decode` / ``encode`` bit for bit (the same
@@ -41,8 +42,8 @@ __all__ = ["available", "decode", "encode", "registered"]
 _DECODE = "optax4bit_decode_4bit"
 _ENCODE_BLOCK = "optax4bit_encode_block_4bit"
 _ENCODE_RANK1 = "optax4bit_encode_rank1_4bit"
-_BLOCK_MAPS = ("DE", "NF", "DE-0", "SqrtDE-0")
-_RANK1_MAPS = ("Linear", "SqrtDE-0")
+_BLOCK_MAPS = ("DE", "NF", "DE-0", "SqrtDE-0", "SqrtLinear")
+_RANK1_MAPS = ("Linear", "SqrtDE-0", "SqrtLinear")
 
 
 @functools.cache

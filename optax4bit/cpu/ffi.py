@@ -89,7 +89,7 @@ _FIRST_MOMENTS = tuple(QuantSpec("block", mapping, 4, signed=True, block_size=12
                                  stochastic=stochastic)
                        for mapping in ("DE", "NF") for stochastic in (False, True))
 _SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False)
-                        for mapping in ("Linear", "SqrtDE-0"))
+                        for mapping in ("Linear", "SqrtDE-0", "SqrtLinear"))
 _APPLY_8BIT_TARGET = "optax4bit_adam_8bit_apply"
 # The 8-bit quantizers (`optax4bit.adamw_8bit`'s, and its second moment without zero).
 _FIRST_MOMENTS_8BIT = (QuantSpec("block", "DE", 8, signed=True, block_size=256),)

@@ -4,7 +4,7 @@ They return exactly what `optax4bit.quantize` and `optax4bit.dequantize`
 return (same codes, scales and layout), computed by the kernels of
 `optax4bit.pallas._engine`: block-wise quantization is one pass; rank-1 and
 tensor quantization are two passes (partial maxima, then encode). Every 4-bit
-map (``DE``, ``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``) and both roundings
+map (``DE``, ``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``, ``SqrtLinear``) and both roundings
 are covered; stochastic rounding draws `optax4bit.quant.maps.hashed_uniform`'s
 numbers from the element's flat index, exactly as the jnp reference does.
 """

@@ -6,9 +6,10 @@ threshold is picked by a small tree of selects (no gather, which XLA's CPU
 backend does not vectorize); 8-bit tables use a gather. ``Linear`` tables have
 closed forms.
 
-Thresholds are the midpoints between entries, except for ``SqrtDE-0``, which
-rounds ``sqrt(x)`` to the nearest ``DE-0`` entry: its entries are the squares
-of ``DE-0``'s and its thresholds the squares of ``DE-0``'s midpoints.
+Thresholds are the midpoints between entries, except for ``SqrtDE-0`` and
+``SqrtLinear``, which round ``sqrt(x)`` to the nearest ``DE-0`` or ``Linear``
+entry: their entries are the squares of those maps' entries and their
+thresholds the squares of their midpoints.
 
 Stochastic rounding draws its uniforms from a counter-based hash of the
 element's index (`hashed_uniform`), so that every backend (jnp, the C++ CPU
@@ -80,6 +81,8 @@ def _table(mapping: str, bits: int, signed: bool) -> np.ndarray:
     table = _normal_float_map()
   elif mapping == "SqrtDE-0":
     table = _de_zero_free().astype(np.float32).astype(np.float64) ** 2
+  elif mapping == "SqrtLinear":
+    table = _table("Linear", 4, False).astype(np.float64) ** 2
   else:  # DE-0: zero replaced by the smallest non-zero entry.
     table = _dynamic_exponent_map(bits, False)
     table[0] = table[1]
@@ -92,11 +95,12 @@ def qmap(mapping: str, bits: int = 4, signed: Optional[bool] = None) -> np.ndarr
   """Returns the sorted quantization table of a mapping.
 
   Args:
-    mapping: ``"DE"``, ``"DE-0"``, ``"Linear"``, ``"NF"`` or ``"SqrtDE-0"``.
-    bits: 4 or 8 (``NF`` and ``SqrtDE-0``: 4); the table has ``2**bits``
+    mapping: ``"DE"``, ``"DE-0"``, ``"Linear"``, ``"NF"``, ``"SqrtDE-0"`` or
+      ``"SqrtLinear"``.
+    bits: 4 or 8 (``NF``, ``SqrtDE-0`` and ``SqrtLinear``: 4); the table has ``2**bits``
       float32 entries.
     signed: ``DE`` only: whether the table covers [-1, 1] (default) or [0, 1].
-      ``DE-0``, ``Linear`` and ``SqrtDE-0`` exclude zero and exist only
+      ``DE-0``, ``Linear``, ``SqrtDE-0`` and ``SqrtLinear`` exclude zero and exist only
       unsigned; ``NF`` exists only signed.
 
   Returns:
@@ -128,7 +132,8 @@ def qmap(mapping: str, bits: int = 4, signed: Optional[bool] = None) -> np.ndarr
 def midpoint_thresholds(mapping: str, bits: int, signed: bool) -> np.ndarray:
   """``2**bits - 1`` float32 thresholds ``t`` with ``x > t[k]`` exactly when
   ``x`` is strictly nearer to entry ``k + 1`` than to entry ``k`` (for
-  ``SqrtDE-0``: ``sqrt(x)`` nearer to the square roots of the entries).
+  ``SqrtDE-0`` and ``SqrtLinear``: ``sqrt(x)`` nearer to the square roots of
+  the entries).
 
   The real midpoint of two float32 numbers is exact in float64; when it is not
   a float32 number we take the float32 just below it, so that a float32 ``x``
@@ -136,8 +141,9 @@ def midpoint_thresholds(mapping: str, bits: int, signed: bool) -> np.ndarray:
   tie, ``x`` equal to the exact midpoint, goes to the lower index). The
   squared ``DE-0`` midpoints are taken in float64 the same way.
   """
-  if mapping == "SqrtDE-0":
-    roots = _de_zero_free().astype(np.float32).astype(np.float64)
+  if mapping in ("SqrtDE-0", "SqrtLinear"):
+    roots = (_de_zero_free() if mapping == "SqrtDE-0" else _table("Linear", 4, False))
+    roots = roots.astype(np.float32).astype(np.float64)
     exact = ((roots[:-1] + roots[1:]) / 2) ** 2
   else:
     table = _table(mapping, bits, signed).astype(np.float64)

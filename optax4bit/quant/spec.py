@@ -7,21 +7,21 @@ import re
 from typing import Literal, Optional, Union
 
 Normalization = Literal["tensor", "block", "rank1"]
-Mapping = Literal["DE", "DE-0", "Linear", "NF", "SqrtDE-0"]
+Mapping = Literal["DE", "DE-0", "Linear", "NF", "SqrtDE-0", "SqrtLinear"]
 
-MAPPINGS = ("DE", "DE-0", "Linear", "NF", "SqrtDE-0")
+MAPPINGS = ("DE", "DE-0", "Linear", "NF", "SqrtDE-0", "SqrtLinear")
 NORMALIZATIONS = ("tensor", "block", "rank1")
 SUPPORTED_BITS = (4, 8)
 # Maps that exclude zero exist for the non-negative second moment only.
-UNSIGNED_ONLY_MAPPINGS = ("DE-0", "Linear", "SqrtDE-0")
+UNSIGNED_ONLY_MAPPINGS = ("DE-0", "Linear", "SqrtDE-0", "SqrtLinear")
 # The normal-float map is built for signed, roughly Gaussian blocks (first moments).
 SIGNED_ONLY_MAPPINGS = ("NF",)
 # Maps defined for 4 bits only.
-FOUR_BIT_ONLY_MAPPINGS = ("NF", "SqrtDE-0")
+FOUR_BIT_ONLY_MAPPINGS = ("NF", "SqrtDE-0", "SqrtLinear")
 # 1-D tensors have no rank-1 structure; the paper falls back to B128 for them.
 RANK1_FALLBACK_BLOCK = 128
 
-_NAME_RE = re.compile(r"^(?P<norm>Tensor|Rank-1|B(?P<block>\d+))/(?P<map>DE-0|DE|Linear|NF|SqrtDE-0)$")
+_NAME_RE = re.compile(r"^(?P<norm>Tensor|Rank-1|B(?P<block>\d+))/(?P<map>DE-0|DE|Linear|NF|SqrtDE-0|SqrtLinear)$")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -43,7 +43,9 @@ class QuantSpec:
       zero), ``"Linear"`` (unsigned ``(i + 1) / 2**bits``, no zero), ``"NF"``
       (signed 4-bit normal float: quantiles of a normal distribution) or
       ``"SqrtDE-0"`` (unsigned, 4 bits: ``sqrt(x)`` coded with ``DE-0``, so
-      entries are the squares of ``DE-0``'s, down to about 1e-5 of the scale).
+      entries are the squares of ``DE-0``'s, down to about 1e-5 of the scale)
+      or ``"SqrtLinear"`` (unsigned, 4 bits: ``sqrt(x)`` coded with ``Linear``,
+      entries ``((i + 1) / 16)**2``, down to 1/256 of the scale).
     bits: 4 or 8.
     signed: whether the table covers [-1, 1] (first moments) or [0, 1].
     block_size: block length for ``"block"``; ignored otherwise.
@@ -84,7 +86,7 @@ class QuantSpec:
     if not self.signed and self.mapping in SIGNED_ONLY_MAPPINGS:
       raise ValueError(
           f"mapping {self.mapping!r} exists only signed (for first moments); use "
-          "signed=True, or mapping='DE-0' or 'SqrtDE-0' for non-negative tensors.")
+          "signed=True, or mapping='DE-0', 'SqrtDE-0' or 'SqrtLinear' for non-negative tensors.")
     if self.bits != 4 and self.mapping in FOUR_BIT_ONLY_MAPPINGS:
       raise ValueError(f"mapping {self.mapping!r} exists for 4 bits only, got bits={self.bits}.")
     if self.normalization == "block":
@@ -114,10 +116,10 @@ class QuantSpec:
     Args:
       name: ``NORM/MAP`` with NORM one of ``Tensor``, ``Rank-1``, ``B<k>``
         (k a power of two) and MAP one of ``DE``, ``DE-0``, ``Linear``, ``NF``,
-        ``SqrtDE-0``.
+        ``SqrtDE-0``, ``SqrtLinear``.
       bits: 4 or 8.
       signed: defaults to ``True`` for ``DE`` and ``NF`` and ``False`` for the
-        zero-free maps ``DE-0``, ``Linear`` and ``SqrtDE-0``.
+        zero-free maps ``DE-0``, ``Linear``, ``SqrtDE-0`` and ``SqrtLinear``.
       stochastic: stochastic rounding.
 
     Returns:
@@ -133,7 +135,7 @@ class QuantSpec:
       raise ValueError(
           f"unknown quantizer name {name!r}: expected 'NORM/MAP' with NORM in "
           "'Tensor', 'Rank-1', 'B<block size>' and MAP in 'DE', 'DE-0', 'Linear', 'NF', "
-          "'SqrtDE-0' "
+          "'SqrtDE-0', 'SqrtLinear' "
           "(e.g. 'B128/DE', 'Rank-1/Linear').")
     mapping = match["map"]
     if signed is None:
