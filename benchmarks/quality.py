@@ -167,6 +167,7 @@ SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_stall_sr_v_linear": ("stall", "Rank-1/Linear"),
                       "sim_4bit_m_stall_sr_v_sqrtlinear": ("stall", "Rank-1/SqrtLinear"),
                       "sim_4bit_m_sr_v_sqrtlinear": ("sr", "Rank-1/SqrtLinear"),
+                      "sim_4bit_m_stall_code_v_sqrtlinear": ("stall_code", "Rank-1/SqrtLinear"),
                       "sim_4bit_m_de_stall_sr_v_sqrtlinear": ("stall", "Rank-1/SqrtLinear",
                                                               "B128/DE")}
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
@@ -289,9 +290,11 @@ def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
   """Adam whose moments of leaves over ``min_quantize_size`` elements are
   quantized and dequantized every step (float32 storage, 4-bit values): m in
   ``first_moment``, v in ``second_moment`` to nearest. ``rounding`` of m:
-  ``"sr"`` (stochastic), ``"nearest"``, or ``"stall"`` (stochastic only for
+  ``"sr"`` (stochastic), ``"nearest"``, ``"stall"`` (stochastic only for
   elements whose nearest code equals that of their old value under the new
-  scales, i.e. where nearest rounding would not move the code)."""
+  scales, i.e. where nearest rounding would not move the code) or
+  ``"stall_code"`` (the same test against the stored code, the old value
+  under its own scale: what a kernel has at hand)."""
   from optax4bit.quant import maps, normalize  # pylint: disable=import-outside-toplevel
   m_spec = optax4bit.QuantSpec.parse(first_moment)
   m_map = m_spec.mapping
@@ -307,9 +310,15 @@ def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
       codes = rounded()
     elif rounding == "nearest":
       codes = nearest(m_new)
-    else:
+    elif rounding == "stall":
       near = nearest(m_new)
       codes = jnp.where(near == nearest(m_old), rounded(), near)
+    else:  # "stall_code": against the stored code (old value under its own scale)
+      old_scales = normalize.compute_scales(normalize.finite_abs(m_old), layout)
+      old_codes = maps.encode_nearest(normalize.normalize(m_old, old_scales, layout), m_map, 4,
+                                      True)
+      near = nearest(m_new)
+      codes = jnp.where(near == old_codes, rounded(), near)
     return maps.decode(codes, m_map, 4, True) * normalize.expand_scales(scales, layout,
                                                                       m_new.shape)
 
@@ -1241,7 +1250,12 @@ def merge_unrun_variants(previous: Optional[dict], entry: dict) -> dict:
   values at every checkpoint: the pairs are then the same runs). Otherwise
   ``entry`` alone."""
   if not previous or any(previous.get(k) != entry.get(k)
-                         for k in ("training", "settings", "seeds", "reference", "checkpoints")):
+                         for k in ("settings", "seeds", "reference", "checkpoints")):
+    return entry
+  # A field added to `Training` since ``previous`` was written holds its default there.
+  defaults = {f.name: f.default for f in dataclasses.fields(Training)
+              if f.default is not dataclasses.MISSING}
+  if {**defaults, **previous["training"]} != {**defaults, **entry["training"]}:
     return entry
   reference = entry["reference"]
   if previous["paired"].get(reference) != entry["paired"].get(reference):

@@ -19,7 +19,7 @@ import pytest
 import optax4bit
 from optax4bit import QuantSpec, qmap, recipes
 from optax4bit.quant import maps
-from conftest import SPEC_DE0_4BIT, argmin_codes, on_the_cpu, unpack_nibbles
+from conftest import SPEC_DE0_4BIT, SPEC_LINEAR_4BIT, argmin_codes, on_the_cpu, unpack_nibbles
 import paper_recipe_golden
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,9 +83,6 @@ def test_parse_new_maps():
 
 
 # --- Nearest rounding. --------------------------------------------------------
-
-
-SPEC_LINEAR_4BIT = [(i + 1) / 16 for i in range(16)]
 
 
 def _sqrt_map_reference(values, root_table=SPEC_DE0_4BIT) -> np.ndarray:
