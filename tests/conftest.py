@@ -280,17 +280,22 @@ def on_the_cpu():
 
 
 @functools.cache
-def gpu_compile():
-  """benchmarks/gpu_compile.py, loaded once (it is a script, not a package)."""
+def benchmark_script(name: str):
+  """benchmarks/<name>.py, loaded once (it is a script, not a package)."""
   import importlib.util  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_compile.py"
-  spec = importlib.util.spec_from_file_location("optax4bit_gpu_compile", path)
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"optax4bit_{name}", path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up
   spec.loader.exec_module(module)
   return module
+
+
+def gpu_compile():
+  """benchmarks/gpu_compile.py, loaded once."""
+  return benchmark_script("gpu_compile")
 
 
 def export_cuda(fn, *args):

@@ -5,21 +5,14 @@ same reference runs, so every kept pair is still paired with the runs shown."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import pathlib
-import sys
 
 import pytest
+from conftest import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def quality():
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
-  spec = importlib.util.spec_from_file_location("optax4bit_quality_benchmark", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up
-  spec.loader.exec_module(module)
-  return module
+  return benchmark_script("quality")
 
 
 def _entry(values: dict, training=None) -> dict:
