@@ -158,7 +158,8 @@ FACTOR_FP32 = "adamw_factor_fp32"
 # float32 (`scale_by_adam_simulated_4bit`): m in B128/NF (or the third entry),
 # v in the second; m rounded stochastically always ("sr", the default's rule),
 # never ("nearest"), or only where rounding to nearest would give m the code
-# its old value has under the new scale ("stall").
+# its old value has under the new scale ("stall") or its stored code
+# ("stall_code").
 SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_nearest": ("nearest", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_stall_sr": ("stall", "Rank-1/SqrtDE-0"),
@@ -173,6 +174,12 @@ SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
 VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32,)
             + tuple(SIMULATED_VARIANTS))
+
+
+def simulated_quantizers(variant: str) -> tuple:
+  """``(rounding, second moment, first moment)`` of a simulated variant."""
+  rounding, second, first = (SIMULATED_VARIANTS[variant] + ("B128/NF",))[:3]
+  return rounding, second, first
 
 
 def candidate_specs(variant: str) -> dict:
@@ -207,8 +214,8 @@ def variant_quantizers(variant: str) -> dict:
   if variant == FACTOR_FP32:
     return {"first_moment": "fp32", "second_moment": "Factor fp32 (ndim >= 2), fp32 (1-D)"}
   if variant in SIMULATED_VARIANTS:
-    rounding, second, *first = SIMULATED_VARIANTS[variant]
-    return {"first_moment": f"{first[0] if first else 'B128/NF'} simulated, rounding {rounding}",
+    rounding, second, first = simulated_quantizers(variant)
+    return {"first_moment": f"{first} simulated, rounding {rounding}",
             "second_moment": f"{second} simulated"}
   if variant in CANDIDATE_VARIANTS:
     resolved = optax4bit.recipes.resolve("default", **candidate_specs(variant))
@@ -257,9 +264,9 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
     tx = optax.adamw(lr, weight_decay=t.weight_decay, mask=mask) if t.weight_decay else \
         optax.adam(lr)
   elif variant in SIMULATED_VARIANTS:
-    rounding, second, *first = SIMULATED_VARIANTS[variant]
+    rounding, second, first = simulated_quantizers(variant)
     tx = optax.chain(scale_by_adam_simulated_4bit(rounding, second, seed, t.min_quantize_size,
-                                                  *first),
+                                                  first),
                      optax.add_decayed_weights(t.weight_decay, mask),
                      optax.scale_by_learning_rate(lr))
   elif variant == FACTOR_FP32:
@@ -303,22 +310,18 @@ def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
   def quantized_m(m_new, m_old, uniform):
     layout = normalize.layout_for(m_spec, m_new.shape)
     scales = normalize.compute_scales(normalize.finite_abs(m_new), layout)
-    nearest = lambda x: maps.encode_nearest(normalize.normalize(x, scales, layout), m_map, 4, True)
-    rounded = lambda: maps.encode_stochastic(normalize.normalize(m_new, scales, layout), uniform,
-                                             m_map, 4, True)
-    if rounding == "sr":
-      codes = rounded()
-    elif rounding == "nearest":
-      codes = nearest(m_new)
-    elif rounding == "stall":
-      near = nearest(m_new)
-      codes = jnp.where(near == nearest(m_old), rounded(), near)
-    else:  # "stall_code": against the stored code (old value under its own scale)
-      old_scales = normalize.compute_scales(normalize.finite_abs(m_old), layout)
-      old_codes = maps.encode_nearest(normalize.normalize(m_old, old_scales, layout), m_map, 4,
-                                      True)
-      near = nearest(m_new)
-      codes = jnp.where(near == old_codes, rounded(), near)
+    nearest = lambda x, s: maps.encode_nearest(normalize.normalize(x, s, layout), m_map, 4, True)
+    if rounding == "nearest":
+      codes = nearest(m_new, scales)
+    else:
+      codes = maps.encode_stochastic(normalize.normalize(m_new, scales, layout), uniform,
+                                     m_map, 4, True)
+    if rounding in ("stall", "stall_code"):
+      # "stall_code": the stored code, i.e. the old value under its own scale.
+      old_scales = scales if rounding == "stall" else normalize.compute_scales(
+          normalize.finite_abs(m_old), layout)
+      near = nearest(m_new, scales)
+      codes = jnp.where(near == nearest(m_old, old_scales), codes, near)
     return maps.decode(codes, m_map, 4, True) * normalize.expand_scales(scales, layout,
                                                                       m_new.shape)
 

@@ -12,8 +12,9 @@ row kernels (its ISA paths included):
   ``SqrtLinear``),
   rounded to the nearest entry or stochastically (the draws of
   `optax4bit.quant.maps.hashed_uniform`);
-* ``encode_rank1``: ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear`` codes under given
-  scales (those of the whole leaf, from the engine's first pass).
+* ``encode_rank1``: ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear``
+  codes under given scales (those of the whole leaf, from the engine's first
+  pass).
 
 Each equals `optax4bit.quant.array.decode` / ``encode`` bit for bit (the same
 normalization ``(x * (4 / scale)) * 0.25``, NaN read as 0, the same tables,

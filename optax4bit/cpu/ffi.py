@@ -15,8 +15,8 @@ bits):
 
 * first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
   stochastically (the default recipe: ``B128/NF``, stochastic);
-* second moment ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0``, nearest rounding
-  (the default recipe: ``Rank-1/SqrtDE-0``).
+* second moment ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear``,
+  nearest rounding (the default recipe: ``Rank-1/SqrtLinear``).
 
 The maps' entries and thresholds (`_tables`) and the per-leaf stochastic
 rounding seeds (`optax4bit.quant.maps.rounding_seed` of the moment's key) are
@@ -345,8 +345,8 @@ def covers(grad, moments) -> bool:
   row and moments quantized
 
   * with 4 bits as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic
-    rounding) and ``Rank-1/Linear`` or ``Rank-1/SqrtDE-0`` (unsigned, nearest
-    rounding), the last axis a multiple of 128; or
+    rounding) and ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear``
+    (unsigned, nearest rounding), the last axis a multiple of 128; or
   * with 8 bits as ``B256/DE`` (signed) and ``B256/DE`` or ``B256/DE-0``
     (unsigned), nearest rounding (`optax4bit.adamw_8bit`), the last axis a
     multiple of 256 (blocks within rows)."""

@@ -14,9 +14,9 @@
 // their quantizers:
 //   first moment  B128/DE or B128/NF (signed, 128-element blocks of the last
 //                 axis), rounded to the nearest entry or stochastically;
-//   second moment Rank-1/Linear or Rank-1/SqrtDE-0 (unsigned, scales
-//                 min(row max, column max)), rounded to the nearest entry.
-// The default recipe is B128/NF stochastic + Rank-1/SqrtDE-0, the paper's
+//   second moment Rank-1/Linear, Rank-1/SqrtDE-0 or Rank-1/SqrtLinear (unsigned,
+//                 scales min(row max, column max)), rounded to the nearest entry.
+// The default recipe is B128/NF stochastic + Rank-1/SqrtLinear, the paper's
 // B128/DE + Rank-1/Linear, both nearest. One set of row kernels
 // (adam_4bit_rows.h) serves all:
 // the maps' entries and thresholds come in as the `tables` input, the

@@ -64,11 +64,8 @@ def _normal_float_map() -> np.ndarray:
   return values / values.max()
 
 
-def _de_zero_free() -> np.ndarray:
-  """4-bit unsigned DE with its zero replaced by the smallest non-zero entry."""
-  table = _dynamic_exponent_map(4, False)
-  table[0] = table[1]
-  return table.astype(np.float64)
+# The maps that code sqrt(x) with another map: each to the map of its roots.
+_SQRT_MAP_ROOTS = {"SqrtDE-0": "DE-0", "SqrtLinear": "Linear"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,10 +76,8 @@ def _table(mapping: str, bits: int, signed: bool) -> np.ndarray:
     table = _dynamic_exponent_map(bits, signed)
   elif mapping == "NF":
     table = _normal_float_map()
-  elif mapping == "SqrtDE-0":
-    table = _de_zero_free().astype(np.float32).astype(np.float64) ** 2
-  elif mapping == "SqrtLinear":
-    table = _table("Linear", 4, False).astype(np.float64) ** 2
+  elif mapping in _SQRT_MAP_ROOTS:
+    table = _table(_SQRT_MAP_ROOTS[mapping], 4, False).astype(np.float64) ** 2
   else:  # DE-0: zero replaced by the smallest non-zero entry.
     table = _dynamic_exponent_map(bits, False)
     table[0] = table[1]
@@ -139,11 +134,10 @@ def midpoint_thresholds(mapping: str, bits: int, signed: bool) -> np.ndarray:
   a float32 number we take the float32 just below it, so that a float32 ``x``
   compares against the threshold as it would against the exact midpoint (a
   tie, ``x`` equal to the exact midpoint, goes to the lower index). The
-  squared ``DE-0`` midpoints are taken in float64 the same way.
+  squared midpoints of the roots are taken in float64 the same way.
   """
-  if mapping in ("SqrtDE-0", "SqrtLinear"):
-    roots = (_de_zero_free() if mapping == "SqrtDE-0" else _table("Linear", 4, False))
-    roots = roots.astype(np.float32).astype(np.float64)
+  if mapping in _SQRT_MAP_ROOTS:
+    roots = _table(_SQRT_MAP_ROOTS[mapping], 4, False).astype(np.float64)
     exact = ((roots[:-1] + roots[1:]) / 2) ** 2
   else:
     table = _table(mapping, bits, signed).astype(np.float64)
