@@ -3,7 +3,7 @@
 // row_instruction_counts.py, which counts the instructions they execute
 // under qemu-user. ROWS_PATH names the path's namespace (avx2, baseline).
 // Arguments: the step (0: 4-bit Adam, paper recipe; 1: 4-bit Adam, default
-// recipe; 2: 4-bit momentum, stochastic rounding; 3: 8-bit Adam, which reads
+// recipe: both moments rounded stochastically; 2: 4-bit momentum, stochastic rounding; 3: 8-bit Adam, which reads
 // its tables from the file named by the fourth argument) and the passes.
 #include "optax4bit/cpu/kernels.cc"  // -I the repository root
 #include "benchmarks/row_pass_args.h"
@@ -34,7 +34,8 @@ int main(int argc, char** argv) {
       ROWS_PATH::StatsRows(args.Stats(g.data(), v_rows.data(), v_codes.data(), row_max.data()),
                            0, rows, v.data(), col_max.data());
       ROWS_PATH::ApplyRows(args.Apply(g.data(), v_rows.data(), m_codes.data(), v_codes.data(),
-                                      m_scales.data(), new_m_scales.data(), step == 1),
+                                      m_scales.data(), new_m_scales.data(), step == 1,
+                                      step == 1),
                            0, rows, scratch.data());
     } else if (step == 2) {
       ROWS_PATH::FirstMomentRows(args.FirstMoment(FirstMomentStep::kMomentum, g.data(),

@@ -63,7 +63,8 @@ struct RowPassArgs {
   // The update over g and the codes over the old ones, as the kernel's
   // aliased buffers; the new row scales are the old ones.
   ApplyRowsArgs Apply(float* g, float* v_rows, uint8_t* m_codes, uint8_t* v_codes,
-                      const float* m_scales, float* m_scales_out, bool m_stochastic) {
+                      const float* m_scales, float* m_scales_out, bool m_stochastic,
+                      bool v_stochastic = false) {
     ApplyRowsArgs a{};
     a.h = h;
     a.g = a.out = g;
@@ -79,9 +80,11 @@ struct RowPassArgs {
     a.v_codes = a.v_out = v_codes;
     a.row_base = row_base.data();
     a.m_seed = 12345u;
+    a.v_seed = 54321u;
     a.inverse_factor = v_linear ? 4.0f : 1.0f;
     a.c = c;
     a.m_stochastic = m_stochastic;
+    a.v_stochastic = v_stochastic;
     a.v_linear = v_linear;
     return a;
   }

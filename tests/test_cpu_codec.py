@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.skipif(not codec.registered(), reason="the CPU kernel 
 SPECS = ("B128/DE", "B128/NF", QuantSpec("block", "NF", 4, signed=True, block_size=128,
                                          stochastic=True),
          QuantSpec("block", "DE", 4, signed=True, block_size=128, stochastic=True),
-         "B128/DE-0", "Rank-1/Linear", "Rank-1/SqrtDE-0", "Rank-1/SqrtLinear")
+         "B128/DE-0", "Rank-1/Linear", "Rank-1/SqrtDE-0", "Rank-1/SqrtLinear",
+         *(QuantSpec("rank1", mapping, 4, signed=False, stochastic=True)
+           for mapping in ("Linear", "SqrtDE-0", "SqrtLinear")))
 
 
 def _values(shape, signed, seed=0):

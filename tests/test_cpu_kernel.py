@@ -283,14 +283,13 @@ def test_covers_both_recipes_only():
   assert not cpu_ffi.covers(jnp.zeros((4, 130)), moments((4, 130)))
   assert not cpu_ffi.covers(g, moments((4, 256), first="B2048/DE"))
   assert not cpu_ffi.covers(g, moments((4, 256), second="B128/DE"))
-  # Both recipes, and any mix of their quantizers (the first moment rounded
-  # either way); the second moment only to the nearest entry.
+  # Both recipes, and any mix of their quantizers, each moment rounded either way.
   assert cpu_ffi.covers(g, moments((4, 256), first=None, second=None))  # default recipe
   stochastic = optax4bit.QuantSpec.parse("B128/DE", signed=True, stochastic=True)
   assert cpu_ffi.covers(g, moments((4, 256), first=stochastic))
   assert cpu_ffi.covers(g, moments((4, 256), first="B128/NF", second="Rank-1/SqrtDE-0"))
   stochastic_v = optax4bit.QuantSpec.parse("Rank-1/Linear", signed=False, stochastic=True)
-  assert not cpu_ffi.covers(g, moments((4, 256), second=stochastic_v))
+  assert cpu_ffi.covers(g, moments((4, 256), second=stochastic_v))
   assert not cpu_ffi.covers(g, moments((4, 256), second="Rank-1/DE-0"))
   assert not cpu_ffi.covers(g, moments((4, 256), first="B64/NF"))
 
@@ -313,6 +312,9 @@ def assert_bitwise(ref_updates, ref_state, updates, state, leaves):
 
 STOCHASTIC_DE = optax4bit.QuantSpec("block", "DE", 4, signed=True, block_size=128,
                                     stochastic=True)
+STOCHASTIC_SQRT_DE0, STOCHASTIC_LINEAR, STOCHASTIC_SQRT_LINEAR = (
+    optax4bit.QuantSpec("rank1", mapping, 4, signed=False, stochastic=True)
+    for mapping in ("SqrtDE-0", "Linear", "SqrtLinear"))
 # (recipe, first moment override, second moment override, nesterov)
 BITWISE_CASES = [
     ("default", None, None, False),
@@ -322,6 +324,11 @@ BITWISE_CASES = [
     ("default", STOCHASTIC_DE, "Rank-1/Linear", False),  # the other pairings
     ("paper", "B128/NF", "Rank-1/SqrtDE-0", False),
     ("paper", "B128/NF", "Rank-1/SqrtLinear", False),
+    # Second moments rounded stochastically: the table's slow and fast paths
+    # (DE-0's crowded entries defeat the cells), Linear by its table.
+    ("paper", None, STOCHASTIC_SQRT_DE0, False),
+    ("paper", STOCHASTIC_DE, STOCHASTIC_LINEAR, True),
+    ("default", "B128/DE", STOCHASTIC_SQRT_LINEAR, False),
 ]
 
 

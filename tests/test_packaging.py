@@ -206,7 +206,7 @@ def test_isolated_build_in_a_fresh_venv(tmp_path):
 # every output.
 _ROWS_CHECK = r"""
 // One ISA path's rows over a 4x256 leaf: one stats and one apply pass of 4-bit Adam (StatsRows,
-// ApplyRows) per recipe, the first-moment rows (FirstMomentRows: momentum, Nesterov momentum,
+// ApplyRows) per recipe (paper; m stochastic; both moments stochastic), the first-moment rows (FirstMomentRows: momentum, Nesterov momentum,
 // factored Adam), the codecs' rows (EncodeBlockRows, EncodeRank1Rows, DecodeRows) and, given
 // the 8-bit tables file, 8-bit Adam's rows (Apply8bitRows). Prints an FNV-1a hash of every
 // output (update, codes, scales, maxima, decoded values) per case.
@@ -274,8 +274,8 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "%s lanes %d\n", name, Lanes(name));
   FlushDenormals flush;
   std::vector<float> scratch(3 * d);
-  for (int recipe = 0; recipe < 2; ++recipe) {
-    const bool m_stochastic = recipe == 1, v_linear = recipe == 0;
+  for (int recipe = 0; recipe < 3; ++recipe) {
+    const bool m_stochastic = recipe >= 1, v_stochastic = recipe == 2, v_linear = recipe == 0;
     std::vector<float> g = gradient(), m_scales(rows * blocks, old_scale), v_rows(rows, 1e-4f);
     std::vector<uint8_t> m_codes = codes(rows * h), v_codes = codes(rows * h);
     RowPassArgs args(rows, h, v_linear);
@@ -285,7 +285,7 @@ int main(int argc, char** argv) {
                     rows, v.data(), col_max.data());
     const ApplyRowsArgs apply = args.Apply(g.data(), v_rows.data(), m_codes.data(),
                                            v_codes.data(), m_scales.data(), new_m_scales.data(),
-                                           m_stochastic);
+                                           m_stochastic, v_stochastic);
     path.apply_rows(apply, 0, rows, scratch.data());
     const uint64_t hash = Hash(g, m_codes, v_codes, new_m_scales, row_max, col_max);
     std::printf("adam recipe %d %016llx first update %.9g\n", recipe, (unsigned long long)hash,
@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
     // The codecs (quantize_state's decode and encode). Block codes under a
     // cubic table, whose entries crowd near 0 (stochastic rounding's general
     // path), nearest and stochastic, then decoded; rank-1 codes, Linear
-    // (recipe 0's v table) and not, then decoded.
+    // (recipe 0's v table) and not, the latter also stochastic, then decoded.
     RowPassArgs linear(rows, h, true), sqrt_de(rows, h, false);
     float cubic[2 * kTableSize - 1];
     for (int k = 0; k < kTableSize; ++k) {
@@ -323,12 +323,12 @@ int main(int argc, char** argv) {
         col(d, 1e-4f);  // the decode's column scales, in the row's order
     std::vector<uint8_t> codes(rows * h);
     uint64_t hash = kFnvOffset;
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < 5; ++k) {
       RowPassArgs& args = k == 2 ? linear : sqrt_de;
       CodecRowsArgs a{};
       a.h = h;
       a.rank1 = k >= 2;
-      a.stochastic = k == 1;
+      a.stochastic = k == 1 || k == 4;
       a.linear = k == 2;
       a.x = x.data();
       a.table = a.rank1 ? args.v_table() : cubic;
@@ -437,7 +437,7 @@ def test_aarch64_and_clang_rows_match_the_native_baseline(tmp_path):
         assert result.stderr.split() == [path, "lanes", str(lanes)], (name, result.stderr)
         outputs[name, path] = result.stdout
     reference = outputs["native", "baseline"]
-    assert len(reference.splitlines()) == 7, reference
+    assert len(reference.splitlines()) == 8, reference
     for (name, path), stdout in outputs.items():
       assert stdout == reference, (args, name, path, reference, stdout)
     # Every path the installed kernel runs on this CPU ran in each native build.

@@ -73,8 +73,9 @@ ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 // the first and second moments; row_bases: (rows,) uint32, the flat index in
 // the whole leaf of each row's first element (maps.row_hash_bases: i * d for
 // a whole leaf, global indices for a shard); m_stochastic: round the first moment
-// stochastically (else to the nearest entry); v_linear: the second moment's
-// map is Linear (encoded by a closed form, others by their thresholds).
+// stochastically (else to the nearest entry); v_stochastic: the same for the
+// second moment; v_linear: the second moment's map is Linear and it is rounded
+// to the nearest entry (encoded by a closed form, others by their thresholds).
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
                      ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
@@ -82,7 +83,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::F32> new_v_cols, ffi::Buffer<ffi::F32> coef,
                      ffi::Buffer<ffi::F32> tables, ffi::Buffer<ffi::U32> seeds,
                      ffi::Buffer<ffi::U32> row_bases, bool nesterov,
-                     bool m_stochastic, bool v_linear,
+                     bool m_stochastic, bool v_stochastic, bool v_linear,
                      ffi::ResultBuffer<ffi::F32> update, ffi::ResultBuffer<ffi::U8> m_codes_out,
                      ffi::ResultBuffer<ffi::F32> m_scales_out,
                      ffi::ResultBuffer<ffi::U8> v_codes_out) {
@@ -98,6 +99,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
     return ffi::Error::InvalidArgument("first-moment codes or scales do not match grad");
   }
   if (ffi::Error error = CheckTables(tables); error.failure()) return error;
+  if (v_linear && v_stochastic) {
+    return ffi::Error::InvalidArgument("v_linear is for a second moment rounded to nearest");
+  }
   if (seeds.element_count() != 2) {
     return ffi::Error::InvalidArgument("seeds must hold one uint32 per moment");
   }
@@ -133,10 +137,12 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.v_codes = v_codes.typed_data();
   args.row_base = row_bases.typed_data();
   args.m_seed = seeds.typed_data()[0];
+  args.v_seed = seeds.typed_data()[1];
   args.inverse_factor = v_encoder.inverse_factor;
   args.c = ReadCoefficients(coef.typed_data());
   args.nesterov = nesterov;
   args.m_stochastic = m_stochastic;
+  args.v_stochastic = v_stochastic;
   args.v_linear = v_linear;
   args.out = update->typed_data();
   args.m_out = m_codes_out->typed_data();
@@ -177,6 +183,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
                                   .Arg<ffi::Buffer<ffi::U32>>()  // row hash bases (rows,)
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("m_stochastic")
+                                  .Attr<bool>("v_stochastic")
                                   .Attr<bool>("v_linear")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // update (aliases grad)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)

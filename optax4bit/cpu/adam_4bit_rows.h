@@ -220,13 +220,16 @@ __attribute__((always_inline)) inline bool MomentsAndUpdate(const ApplyRowsArgs&
 }
 
 // The second pass of an Adam row: the codes of m (restarted where v is +inf)
-// under the new block scales and of v under the new rank-1 scales.
-template <bool kStochastic, bool kFast, bool kLinear>
+// under the new block scales and of v under the new rank-1 scales, v to the
+// nearest entry (its thresholds, or Linear's closed form) or stochastically
+// (kVStochastic: its TableRounding, inverses times 4).
+template <bool kStochastic, bool kFast, bool kLinear, bool kVStochastic, bool kVFast>
 __attribute__((always_inline)) inline void EncodeMomentsT(
-    const ApplyRowsArgs& a, int64_t i, const FirstMomentRounding& shared_rounding,
-    const Bounds& v_thresholds4, const float* __restrict m, const float* __restrict v) {
-  // A copy the code stores cannot alias: it stays in registers.
-  const FirstMomentRounding rounding = shared_rounding;
+    const ApplyRowsArgs& a, int64_t i, const TableRounding& shared_rounding,
+    const TableRounding& shared_v_rounding, const Bounds& v_thresholds4,
+    const float* __restrict m, const float* __restrict v) {
+  // Copies the code stores cannot alias: they stay in registers.
+  const TableRounding rounding = shared_rounding;
   const int64_t h = a.h;
   const uint32_t row_index = a.row_base[i];
   const float row_inverse = InverseTimes4(a.new_row_scales[i]) * a.inverse_factor;
@@ -239,23 +242,49 @@ __attribute__((always_inline)) inline void EncodeMomentsT(
     const VF mo = vo == INFINITY ? VF{} : LoadV(m + h + j);
     StoreCodes(m_out + j, rounding.CodeBytes<kStochastic, kFast>(
                               Normalized(me, inverse), Normalized(mo, inverse), row_index, j));
-    const VI even = SecondMomentLevels<kLinear>(ve, LoadV(a.inv_col_even + j), row_inverse,
-                                                v_thresholds4);
-    const VI odd = SecondMomentLevels<kLinear>(vo, LoadV(a.inv_col_odd + j), row_inverse,
-                                               v_thresholds4);
-    StoreCodes(v_out + j, even | (odd << 4));
+    const VF ie = LoadV(a.inv_col_even + j), io = LoadV(a.inv_col_odd + j);
+    if constexpr (kVStochastic) {
+      const VF row = VF{} + row_inverse;
+      StoreCodes(v_out + j, shared_v_rounding.CodeBytes<true, kVFast>(
+                                Rank1Normalized(ve, ie, row), Rank1Normalized(vo, io, row),
+                                row_index, j));
+    } else {
+      const VI even = SecondMomentLevels<kLinear>(ve, ie, row_inverse, v_thresholds4);
+      const VI odd = SecondMomentLevels<kLinear>(vo, io, row_inverse, v_thresholds4);
+      StoreCodes(v_out + j, even | (odd << 4));
+    }
   });
 }
 
-template <bool kLinear>
-void EncodeMoments(const ApplyRowsArgs& a, int64_t i, const FirstMomentRounding& rounding,
-                   const Bounds& v_thresholds4, const float* m, const float* v) {
+template <bool kLinear, bool kVStochastic, bool kVFast>
+void EncodeMomentsV(const ApplyRowsArgs& a, int64_t i, const TableRounding& rounding,
+                    const TableRounding& v_rounding, const Bounds& v_thresholds4,
+                    const float* m, const float* v) {
   if (!a.m_stochastic) {
-    EncodeMomentsT<false, false, kLinear>(a, i, rounding, v_thresholds4, m, v);
+    EncodeMomentsT<false, false, kLinear, kVStochastic, kVFast>(a, i, rounding, v_rounding,
+                                                                v_thresholds4, m, v);
   } else if (rounding.fast) {
-    EncodeMomentsT<true, true, kLinear>(a, i, rounding, v_thresholds4, m, v);
+    EncodeMomentsT<true, true, kLinear, kVStochastic, kVFast>(a, i, rounding, v_rounding,
+                                                              v_thresholds4, m, v);
   } else {
-    EncodeMomentsT<true, false, kLinear>(a, i, rounding, v_thresholds4, m, v);
+    EncodeMomentsT<true, false, kLinear, kVStochastic, kVFast>(a, i, rounding, v_rounding,
+                                                               v_thresholds4, m, v);
+  }
+}
+
+void EncodeMoments(const ApplyRowsArgs& a, int64_t i, const TableRounding& rounding,
+                   const TableRounding& v_rounding, const Bounds& v_thresholds4,
+                   const float* m, const float* v) {
+  if (a.v_stochastic) {
+    if (v_rounding.fast) {
+      EncodeMomentsV<false, true, true>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+    } else {
+      EncodeMomentsV<false, true, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+    }
+  } else if (a.v_linear) {
+    EncodeMomentsV<true, false, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+  } else {
+    EncodeMomentsV<false, false, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
   }
 }
 
@@ -263,7 +292,8 @@ void EncodeMoments(const ApplyRowsArgs& a, int64_t i, const FirstMomentRounding&
 void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
   const int64_t h = a.h, d = 2 * h;
   const Coefficients& c = a.c;
-  const FirstMomentRounding m_rounding(a.m_table, a.m_table + kTableSize, a.m_seed);
+  const TableRounding m_rounding(a.m_table, a.m_table + kTableSize, a.m_seed);
+  const TableRounding v_rounding(a.v_table, a.v_table + kTableSize, a.v_seed);
   const Bounds v_thresholds4 = MakeBounds(a.v_thresholds4);
   const Table m_table = LoadTable(a.m_table), v_table = LoadTable(a.v_table);
   const float r = 1.0f / c.c2;
@@ -283,11 +313,7 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
       divide |= MomentsAndUpdate<false>(a, i, m_table, v_table, VF{} + r, m, v);
       if (divide) UpdateT<true>(h, m, v, c, r, out);
     }
-    if (a.v_linear) {
-      EncodeMoments<true>(a, i, m_rounding, v_thresholds4, m, v);
-    } else {
-      EncodeMoments<false>(a, i, m_rounding, v_thresholds4, m, v);
-    }
+    EncodeMoments(a, i, m_rounding, v_rounding, v_thresholds4, m, v);
   }
 }
 

@@ -14,7 +14,7 @@ row kernels (its ISA paths included):
   `optax4bit.quant.maps.hashed_uniform`);
 * ``encode_rank1``: ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear``
   codes under given scales (those of the whole leaf, from the engine's first
-  pass).
+  pass), rounded to the nearest entry or stochastically.
 
 Each equals `optax4bit.quant.array.decode` / ``encode`` bit for bit (the same
 normalization ``(x * (4 / scale)) * 0.25``, NaN read as 0, the same tables,
@@ -93,6 +93,20 @@ def decode(codes, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
   return values.reshape(shape)
 
 
+def _tables(spec: QuantSpec) -> jax.Array:
+  """The map's 16 entries, then its 15 midpoint thresholds."""
+  return jnp.asarray(np.concatenate([maps.qmap(spec.mapping, 4, spec.signed),
+                                     maps.midpoint_thresholds(spec.mapping, 4, spec.signed)]))
+
+
+def _seeds_and_bases(seed: Optional[jax.Array], row_bases: Optional[jax.Array], rows: int):
+  """The uint32 rounding seed (1,) and row hash bases (rows,) of a call (zeros
+  for nearest rounding)."""
+  seeds = jnp.zeros((1,), jnp.uint32) if seed is None else jnp.reshape(seed, (1,))
+  bases = jnp.zeros((rows,), jnp.uint32) if row_bases is None else row_bases
+  return seeds.astype(jnp.uint32), bases.astype(jnp.uint32)
+
+
 def encode(x: jax.Array, spec: QuantSpec, layout: normalize.Layout, scales: Optional[tuple],
            seed: Optional[jax.Array], row_bases: Optional[jax.Array]):
   """``(codes, scales)`` as `optax4bit.quant.array.encode` gives them for
@@ -109,23 +123,20 @@ def encode(x: jax.Array, spec: QuantSpec, layout: normalize.Layout, scales: Opti
   if layout.normalization == "block":
     if spec.mapping not in _BLOCK_MAPS or scales is not None:
       return None
-    tables = jnp.asarray(np.concatenate([maps.qmap(spec.mapping, 4, spec.signed),
-                                         maps.midpoint_thresholds(spec.mapping, 4, spec.signed)]))
-    seeds = jnp.zeros((1,), jnp.uint32) if seed is None else jnp.reshape(seed, (1,))
-    bases = jnp.zeros((rows,), jnp.uint32) if row_bases is None else row_bases
     codes, block_scales = kernel_call(
         _ENCODE_BLOCK,
         (jax.ShapeDtypeStruct((rows, shape[-1] // 2), jnp.uint8),
          jax.ShapeDtypeStruct((rows, shape[-1] // 128), jnp.float32)),
-        vmap_method="sequential")(x.reshape(rows, -1), tables, seeds.astype(jnp.uint32),
-                                  bases.astype(jnp.uint32),
+        vmap_method="sequential")(x.reshape(rows, -1), _tables(spec),
+                                  *_seeds_and_bases(seed, row_bases, rows),
                                   stochastic=np.bool_(spec.stochastic))
     return (codes.reshape(shape[:-1] + (shape[-1] // 2,)),
             (block_scales.reshape(shape[:-1] + (shape[-1] // 128,)),))
-  if spec.mapping not in _RANK1_MAPS or spec.stochastic or spec.signed or scales is None:
+  if spec.mapping not in _RANK1_MAPS or spec.signed or scales is None:
     return None
-  thresholds = jnp.asarray(maps.midpoint_thresholds(spec.mapping, 4, False))
   codes = kernel_call(_ENCODE_RANK1, jax.ShapeDtypeStruct((rows, shape[-1] // 2), jnp.uint8),
                       vmap_method="sequential")(
-      x, scales[0], scales[1], thresholds, linear=np.bool_(spec.mapping == "Linear"))
+      x, scales[0], scales[1], _tables(spec), *_seeds_and_bases(seed, row_bases, rows),
+      linear=np.bool_(spec.mapping == "Linear" and not spec.stochastic),
+      stochastic=np.bool_(spec.stochastic))
   return codes, tuple(scales)

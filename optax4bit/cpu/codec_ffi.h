@@ -98,11 +98,14 @@ ffi::Error EncodeBlock4bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 // optax4bit.quant.array.encode of float32 values (rows, d) under given rank-1
 // scales (row maxima (rows, 1), column maxima (1, d)): an unsigned 16-entry
-// map, to the nearest entry: Linear by its closed form, others by their 15
-// midpoint thresholds (normal, in (0, 1]).
+// map (tables: entries, then midpoint thresholds, normal, in (0, 1]), to the
+// nearest entry (Linear, linear: by its closed form; others by their
+// thresholds) or stochastically (the draws of maps.hashed_uniform under
+// seeds[0], the rows' flat indices in the whole array in row_bases).
 ffi::Error EncodeRank14bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::F32> row_scales, ffi::Buffer<ffi::F32> col_scales,
-                               ffi::Buffer<ffi::F32> thresholds, bool linear,
+                               ffi::Buffer<ffi::F32> tables, ffi::Buffer<ffi::U32> seeds,
+                               ffi::Buffer<ffi::U32> row_bases, bool linear, bool stochastic,
                                ffi::ResultBuffer<ffi::U8> codes) {
   int64_t rows, d;
   if (ffi::Error error = CodecGeometry(x.dimensions(), rows, d); error.failure()) return error;
@@ -110,19 +113,27 @@ ffi::Error EncodeRank14bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if ((int64_t)codes->element_count() != rows * h ||
       (int64_t)row_scales.element_count() != rows ||
       (int64_t)col_scales.element_count() != d ||
-      (int64_t)thresholds.element_count() != kTableSize - 1) {
-    return ffi::Error::InvalidArgument("codes, scales or thresholds do not match the values");
+      (int64_t)tables.element_count() != 2 * kTableSize - 1 || seeds.element_count() != 1 ||
+      (int64_t)row_bases.element_count() != rows) {
+    return ffi::Error::InvalidArgument("codes, scales, tables, seeds or row_bases do not match");
+  }
+  if (linear && stochastic) {
+    return ffi::Error::InvalidArgument("linear is for rounding to the nearest entry");
   }
   FlushDenormals flush;  // for the scale reciprocals
   Rank1Encoder encoder;
-  if (ffi::Error error = MakeRank1Encoder(thresholds.typed_data(), col_scales.typed_data(), h,
-                                          linear, encoder);
+  if (ffi::Error error = MakeRank1Encoder(tables.typed_data() + kTableSize,
+                                          col_scales.typed_data(), h, linear, encoder);
       error.failure()) {
     return error;
   }
   CodecRowsArgs args{};
   args.h = h;
   args.linear = linear;
+  args.stochastic = stochastic;
+  args.table = tables.typed_data();
+  args.row_base = row_bases.typed_data();
+  args.seed = seeds.typed_data()[0];
   args.x = x.typed_data();
   args.row_scales = row_scales.typed_data();
   args.thresholds4 = encoder.thresholds4;
@@ -165,8 +176,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitEncodeRank14bit, EncodeRank14bitImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // values (rows, d)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // row scales (rows, 1)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // column scales (1, d)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // thresholds (15,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // entries and thresholds (31,)
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // rounding seed (1,)
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // row hash bases (rows,)
                                   .Attr<bool>("linear")
+                                  .Attr<bool>("stochastic")
                                   .Ret<ffi::Buffer<ffi::U8>>()   // codes (rows, d / 2)
 );
 

@@ -77,7 +77,8 @@ inline VF HashedUniformTimes2p24(VU index, uint32_t seed) {
   return __builtin_convertvector((VI)(Mix32(index ^ seed) >> 8), VF);
 }
 
-// How a row of the first moment is rounded to codes: to the nearest entry
+// How a row of a moment is rounded to codes under a 16-entry table (the first
+// moment's, signed, or the second moment's, unsigned): to the nearest entry
 // (the count of midpoint thresholds below n), or stochastically as
 // optax4bit.quant.maps.encode_stochastic (n clipped to the table; lower = the
 // largest k with table[k] <= n; up by one where the draw u < (n - table[lower])
@@ -92,7 +93,7 @@ inline VF HashedUniformTimes2p24(VU index, uint32_t seed) {
 // * u < p as u 2**24 < (n - table[lower]) / (gap 2**-24): scaling by powers of
 //   two commutes with rounding where p is normal or 0, and it is for gaps in
 //   [2**-100, 1] (n - table[lower] is 0 or normal, subnormals being flushed).
-struct FirstMomentRounding {
+struct TableRounding {
   static constexpr int kCells = 32;
   Bounds thresholds;  // nearest: the 15 midpoint thresholds
   Bounds entries;     // stochastic, binary search: table[1..15]
@@ -108,7 +109,7 @@ struct FirstMomentRounding {
   float lowest, highest;
   uint32_t seed;
 
-  FirstMomentRounding(const float* values, const float* midpoints, uint32_t seed_)
+  TableRounding(const float* values, const float* midpoints, uint32_t seed_)
       : thresholds(MakeBounds(midpoints)), entries(MakeBounds(values + 1)),
         table(LoadTable(values)), lowest(values[0]), highest(values[kTableSize - 1]),
         seed(seed_) {
@@ -224,9 +225,16 @@ __attribute__((always_inline)) inline void ForBlockInverses(int64_t h,
 
 // x normalized by its block's inverse: (x * inverse) * 0.25, NaN read as 0
 // (optax4bit.quant.normalize.normalize).
-inline VF Normalized(VF x, float inverse) {
+inline VF Normalized(VF x, VF inverse) {
   x = (x * inverse) * 0.25f;
   return x == x ? x : 0.0f;
+}
+inline VF Normalized(VF x, float inverse) { return Normalized(x, VF{} + inverse); }
+
+// x normalized under rank-1 scales, from the inverses times 4 of its column's
+// and its row's scale: 1 / min(scales) = max(1 / scales) exactly.
+inline VF Rank1Normalized(VF x, VF col_inverse, VF row_inverse) {
+  return Normalized(x, col_inverse > row_inverse ? col_inverse : row_inverse);
 }
 
 // Block maxima of one row (split even/odd) into block_scales, then
@@ -245,10 +253,10 @@ __attribute__((always_inline)) inline void ForNormalizedBlocks(
 // the row's first element in the leaf, for stochastic rounding's draws.
 template <bool kStochastic, bool kFast>
 __attribute__((always_inline)) inline void EncodeFirstMomentScaledT(
-    int64_t h, const float* __restrict m, const FirstMomentRounding& shared_rounding,
+    int64_t h, const float* __restrict m, const TableRounding& shared_rounding,
     uint32_t row_index, const float* __restrict block_scales, uint8_t* __restrict codes) {
   // A copy the code stores cannot alias: it stays in registers.
-  const FirstMomentRounding rounding = shared_rounding;
+  const TableRounding rounding = shared_rounding;
   ForBlockInverses<kBlockBytes>(h, block_scales, [&](int64_t j, float inverse) {
     StoreCodes(codes + j, rounding.CodeBytes<kStochastic, kFast>(
                               Normalized(LoadV(m + j), inverse),
@@ -257,7 +265,7 @@ __attribute__((always_inline)) inline void EncodeFirstMomentScaledT(
 }
 
 void EncodeFirstMomentScaled(bool stochastic, int64_t h, const float* __restrict m,
-                             const FirstMomentRounding& rounding, uint32_t row_index,
+                             const TableRounding& rounding, uint32_t row_index,
                              const float* __restrict block_scales, uint8_t* __restrict codes) {
   if (!stochastic) {
     EncodeFirstMomentScaledT<false, false>(h, m, rounding, row_index, block_scales, codes);
@@ -271,7 +279,7 @@ void EncodeFirstMomentScaled(bool stochastic, int64_t h, const float* __restrict
 // B128 codes of one row of m: its block maxima into block_scales, then the
 // codes.
 void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
-                       const FirstMomentRounding& rounding, uint32_t row_index,
+                       const TableRounding& rounding, uint32_t row_index,
                        float* __restrict block_scales, uint8_t* __restrict codes) {
   BlockMaxima<kBlockBytes>(h, m, block_scales);
   EncodeFirstMomentScaled(stochastic, h, m, rounding, row_index, block_scales, codes);
@@ -329,6 +337,25 @@ void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
     EncodeSecondMomentT<true>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
   } else {
     EncodeSecondMomentT<false>(h, v, row_inverse, col_even, col_odd, thresholds4, codes);
+  }
+}
+
+// The codes of one row (split even/odd) of a second moment rounded
+// stochastically (optax4bit.quant.maps.encode_stochastic) under rank-1
+// inverses times 4; row_index: the flat index (mod 2**32) of the row's first
+// element, for the draws.
+template <bool kFast>
+__attribute__((always_inline)) inline void EncodeSecondMomentStochasticT(
+    int64_t h, const float* __restrict v, float row_inverse, const float* __restrict col_even,
+    const float* __restrict col_odd, const TableRounding& shared_rounding, uint32_t row_index,
+    uint8_t* __restrict codes) {
+  const TableRounding rounding = shared_rounding;  // in registers, as EncodeFirstMomentScaledT's
+  const VF row = VF{} + row_inverse;
+  for (int64_t j = 0; j < h; j += kLanes) {
+    StoreCodes(codes + j, rounding.CodeBytes<true, kFast>(
+                              Rank1Normalized(LoadV(v + j), LoadV(col_even + j), row),
+                              Rank1Normalized(LoadV(v + h + j), LoadV(col_odd + j), row),
+                              row_index, j));
   }
 }
 

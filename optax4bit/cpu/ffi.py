@@ -16,7 +16,8 @@ bits):
 * first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
   stochastically (the default recipe: ``B128/NF``, stochastic);
 * second moment ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear``,
-  nearest rounding (the default recipe: ``Rank-1/SqrtLinear``).
+  rounded to the nearest entry or stochastically (the default recipe:
+  ``Rank-1/SqrtLinear``, stochastic).
 
 The maps' entries and thresholds (`_tables`) and the per-leaf stochastic
 rounding seeds (`optax4bit.quant.maps.rounding_seed` of the moment's key) are
@@ -88,8 +89,9 @@ _FIRST_MOMENT_TARGET = "optax4bit_first_moment_apply"
 _FIRST_MOMENTS = tuple(QuantSpec("block", mapping, 4, signed=True, block_size=128,
                                  stochastic=stochastic)
                        for mapping in ("DE", "NF") for stochastic in (False, True))
-_SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False)
-                        for mapping in ("Linear", "SqrtDE-0", "SqrtLinear"))
+_SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False, stochastic=stochastic)
+                        for mapping in ("Linear", "SqrtDE-0", "SqrtLinear")
+                        for stochastic in (False, True))
 _APPLY_8BIT_TARGET = "optax4bit_adam_8bit_apply"
 # The 8-bit quantizers (`optax4bit.adamw_8bit`'s, and its second moment without zero).
 _FIRST_MOMENTS_8BIT = (QuantSpec("block", "DE", 8, signed=True, block_size=256),)
@@ -344,9 +346,9 @@ def covers(grad, moments) -> bool:
   axes or more (run as its rows, see `_rank1_row_scales`) with at least one
   row and moments quantized
 
-  * with 4 bits as ``B128/DE`` or ``B128/NF`` (signed; nearest or stochastic
-    rounding) and ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear``
-    (unsigned, nearest rounding), the last axis a multiple of 128; or
+  * with 4 bits as ``B128/DE`` or ``B128/NF`` (signed) and ``Rank-1/Linear``,
+    ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear`` (unsigned), each rounded to
+    the nearest entry or stochastically, the last axis a multiple of 128; or
   * with 8 bits as ``B256/DE`` (signed) and ``B256/DE`` or ``B256/DE-0``
     (unsigned), nearest rounding (`optax4bit.adamw_8bit`), the last axis a
     multiple of 256 (blocks within rows)."""
@@ -422,7 +424,9 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
                                 new_col, coef, _tables_of(m, v), seeds, row_bases,
                                 nesterov=np.bool_(nesterov),
                                 m_stochastic=np.bool_(m.spec.stochastic),
-                                v_linear=np.bool_(v.spec.mapping == "Linear"))
+                                v_stochastic=np.bool_(v.spec.stochastic),
+                                v_linear=np.bool_(v.spec.mapping == "Linear"
+                                                  and not v.spec.stochastic))
 
 
 def _row_bases(shape, shard=None):

@@ -3,7 +3,7 @@
 // (first_moment_ffi.h: Optax4bitFirstMomentApply). isa_path_rows.h includes this file after
 // encode_rows.h and adam_4bit_rows.h in each ISA path's namespace: these rows
 // run their first-moment kernels (decode, EncodeFirstMoment,
-// FirstMomentRounding) and Adam's update (UpdateV, UpdateT).
+// TableRounding) and Adam's update (UpdateV, UpdateT).
 #ifndef OPTAX4BIT_CPU_FIRST_MOMENT_ROWS_H_  // once per ISA path: isa_path_rows.h resets it
 #define OPTAX4BIT_CPU_FIRST_MOMENT_ROWS_H_
 
@@ -137,7 +137,7 @@ bool FactoredMomentsAndUpdate(const FirstMomentRowsArgs& a, int64_t i, const Tab
 // Rows [lo, hi) of Optax4bitFirstMomentApply; scratch: 3d floats.
 void FirstMomentRows(const FirstMomentRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
   const int64_t h = a.h, d = 2 * h, blocks = h / kBlockBytes;
-  const FirstMomentRounding rounding(a.m_table, a.m_table + kTableSize, a.m_seed);
+  const TableRounding rounding(a.m_table, a.m_table + kTableSize, a.m_seed);
   const Table m_table = LoadTable(a.m_table);
   const float r = 1.0f / a.c.c2;
   float* m = scratch;

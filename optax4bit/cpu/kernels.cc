@@ -178,10 +178,10 @@ struct ApplyRowsArgs {
       *inv_col_odd, *m_table, *v_table, *v_thresholds4;
   const uint8_t *m_codes, *v_codes;
   const uint32_t* row_base;
-  uint32_t m_seed;
+  uint32_t m_seed, v_seed;
   float inverse_factor;
   Coefficients c;
-  bool nesterov, m_stochastic, v_linear;
+  bool nesterov, m_stochastic, v_stochastic, v_linear;
   float* out;
   uint8_t *m_out, *v_out;
   float* m_scales_out;
