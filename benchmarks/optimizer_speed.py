@@ -82,6 +82,10 @@ OPTIMIZERS = {
     "adamw_4bit (cpu)": lambda: optax4bit.adamw_4bit(1e-3, implementation="cpu"),
     "adamw_4bit (paper, cpu)": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
                                                             implementation="cpu"),
+    # The default's second moment rounded to nearest (the default before issue 40's
+    # stochastic v): what stochastic rounding of v costs.
+    "adamw_4bit (v nearest, cpu)": lambda: optax4bit.adamw_4bit(
+        1e-3, second_moment="Rank-1/SqrtLinear", implementation="cpu"),
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3),
     "adamw_4bit_factor (paper)": lambda: optax4bit.adamw_4bit_factor(1e-3, recipe="paper"),
     "adamw_4bit_factor (jnp)": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="jnp"),

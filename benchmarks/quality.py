@@ -150,6 +150,10 @@ CANDIDATE_VARIANTS = {
     # The default's second moment until 2026-11-27 (issue 40).
     "adamw_4bit_v_sqrtde0": (None, ("Rank-1/SqrtDE-0", False)),
     "adamw_4bit_m_de_nearest_v_sqrtlinear": (("B128/DE", False), ("Rank-1/SqrtLinear", False)),
+    # The default's second moment rounded to nearest (the default until the
+    # second session of 2026-11-27's issue 40 work).
+    "adamw_4bit_v_nearest": (None, ("Rank-1/SqrtLinear", False)),
+    "adamw_4bit_m_de_nearest_v_sr": (("B128/DE", False), ("Rank-1/SqrtLinear", True)),
 }
 # Adam with an Adafactor-factored second moment, both moments float32
 # (`scale_by_factored_adam_fp32`): what 4-bit Factor would be without 4 bits.
@@ -159,7 +163,8 @@ FACTOR_FP32 = "adamw_factor_fp32"
 # v in the second; m rounded stochastically always ("sr", the default's rule),
 # never ("nearest"), or only where rounding to nearest would give m the code
 # its old value has under the new scale ("stall") or its stored code
-# ("stall_code").
+# ("stall_code"). "fp32" keeps a moment in float32 (which moment costs);
+# ":sr" rounds v stochastically.
 SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_nearest": ("nearest", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_stall_sr": ("stall", "Rank-1/SqrtDE-0"),
@@ -170,7 +175,11 @@ SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_sr_v_sqrtlinear": ("sr", "Rank-1/SqrtLinear"),
                       "sim_4bit_m_stall_code_v_sqrtlinear": ("stall_code", "Rank-1/SqrtLinear"),
                       "sim_4bit_m_de_stall_sr_v_sqrtlinear": ("stall", "Rank-1/SqrtLinear",
-                                                              "B128/DE")}
+                                                              "B128/DE"),
+                      "sim_m_fp32_v_sqrtlinear": ("fp32", "Rank-1/SqrtLinear"),
+                      "sim_4bit_m_sr_v_fp32": ("sr", "fp32"),
+                      "sim_m_fp32_v_sqrtlinear_sr": ("fp32", "Rank-1/SqrtLinear:sr"),
+                      "sim_m_fp32_v_b128_sqrtlinear": ("fp32", "B128/SqrtLinear")}
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
 VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32,)
             + tuple(SIMULATED_VARIANTS))
@@ -296,8 +305,9 @@ def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
                                  eps: float = 1e-8) -> optax.GradientTransformation:
   """Adam whose moments of leaves over ``min_quantize_size`` elements are
   quantized and dequantized every step (float32 storage, 4-bit values): m in
-  ``first_moment``, v in ``second_moment`` to nearest. ``rounding`` of m:
-  ``"sr"`` (stochastic), ``"nearest"``, ``"stall"`` (stochastic only for
+  ``first_moment``, v in ``second_moment`` to nearest (``"<name>:sr"``:
+  stochastically; ``"fp32"``: not quantized). ``rounding`` of m: ``"fp32"``
+  (not quantized), ``"sr"`` (stochastic), ``"nearest"``, ``"stall"`` (stochastic only for
   elements whose nearest code equals that of their old value under the new
   scales, i.e. where nearest rounding would not move the code) or
   ``"stall_code"`` (the same test against the stored code, the old value
@@ -305,9 +315,13 @@ def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
   from optax4bit.quant import maps, normalize  # pylint: disable=import-outside-toplevel
   m_spec = optax4bit.QuantSpec.parse(first_moment)
   m_map = m_spec.mapping
-  v_spec = optax4bit.QuantSpec.parse(second_moment)
+  v_name, _, v_rounding = second_moment.partition(":")
+  v_spec = None if v_name == "fp32" else optax4bit.QuantSpec.parse(
+      v_name, stochastic=v_rounding == "sr")
 
   def quantized_m(m_new, m_old, uniform):
+    if rounding == "fp32":
+      return m_new
     layout = normalize.layout_for(m_spec, m_new.shape)
     scales = normalize.compute_scales(normalize.finite_abs(m_new), layout)
     nearest = lambda x, s: maps.encode_nearest(normalize.normalize(x, s, layout), m_map, 4, True)
@@ -343,8 +357,10 @@ def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,
       if g.size > min_quantize_size and g.ndim >= 1:
         seed_u32 = maps.mix32(jnp.uint32(seed) ^ maps.mix32(count.astype(jnp.uint32)
                                                            ^ jnp.uint32(index * 7919)))
+        if v_spec is not None:
+          v_key = jax.random.fold_in(jax.random.key(seed_u32), 1) if v_spec.stochastic else None
+          v_new = optax4bit.dequantize(optax4bit.quantize(v_new, v_spec, key=v_key))
         m_new = quantized_m(m_new, m, maps.hashed_uniform(seed_u32, g.shape))
-        v_new = optax4bit.dequantize(optax4bit.quantize(v_new, v_spec))
       new_mu.append(m_new)
       new_nu.append(v_new)
       m_hat = m_new / (1 - b1 ** count)
@@ -1070,20 +1086,25 @@ def diagnose_lm(problem: Problem, t: Training, variant: str, seed: int, data,
       row = {"step": step, "leaves": len(leaves), "elements": int(sizes.sum())}
       for field in ("rel_err_m", "rel_err_v", "rel_err_direction"):
         row[field] = float(np.average([getattr(r, field) for r in leaves], weights=sizes))
+      # The step-size bias of the stored v: a geometric mean, so averaged in logs.
+      row["v_step_scale"] = float(np.exp(np.average(
+          [math.log(r.v_step_scale) for r in leaves], weights=sizes)))
       rows.append(row)
       print(f"  {problem.name} {variant} seed {seed} step {step}: err m {row['rel_err_m']:.3f}, "
-            f"err v {row['rel_err_v']:.3f}, err dir {row['rel_err_direction']:.3f}", flush=True)
+            f"err v {row['rel_err_v']:.3f}, err dir {row['rel_err_direction']:.3f}, "
+            f"v step scale {row['v_step_scale']:.3f}", flush=True)
   return rows
 
 
 def diagnostics_table(diag: dict) -> str:
   steps = [r["step"] for r in next(iter(diag.values()))]
-  lines = ["| variant | " + " | ".join(f"err m / err v / err dir @{s}" for s in steps) + " |",
+  lines = ["| variant | " + " | ".join(f"err m / err v / err dir / v step scale @{s}"
+                                      for s in steps) + " |",
            "|---|" + "---|" * len(steps)]
   for variant, rows in diag.items():
     lines.append(f"| {variant} | " + " | ".join(
-        f"{r['rel_err_m']:.3f} / {r['rel_err_v']:.3f} / {r['rel_err_direction']:.3f}"
-        for r in rows) + " |")
+        f"{r['rel_err_m']:.3f} / {r['rel_err_v']:.3f} / {r['rel_err_direction']:.3f} / "
+        f"{r.get('v_step_scale', math.nan):.3f}" for r in rows) + " |")
   return "\n".join(lines)
 
 

@@ -49,6 +49,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results", "recipe_ablation.json")
 
 DE, DE_SR = QuantSpec.parse("B128/DE"), QuantSpec.parse("B128/DE", stochastic=True)
 NF, NF_SR = QuantSpec.parse("B128/NF"), QuantSpec.parse("B128/NF", stochastic=True)
+SQRT_LINEAR_SR = QuantSpec.parse("Rank-1/SqrtLinear", stochastic=True)
 CONFIGS = {
     "paper (B128/DE, Rank-1/Linear)": (DE, "Rank-1/Linear"),
     "m stochastic": (DE_SR, "Rank-1/Linear"),
@@ -60,8 +61,10 @@ CONFIGS = {
     "m DE stochastic, v SqrtDE-0": (DE_SR, "Rank-1/SqrtDE-0"),
     # The best nearest-rounding pair: no random draws in the kernels.
     "m NF, v SqrtDE-0 (both nearest)": (NF, "Rank-1/SqrtDE-0"),
+    "v Rank-1/SqrtLinear stochastic": (DE, SQRT_LINEAR_SR),
     "0.1.0's default (NF stochastic, SqrtDE-0)": (NF_SR, "Rank-1/SqrtDE-0"),
-    "default (NF stochastic, SqrtLinear)": (NF_SR, "Rank-1/SqrtLinear"),
+    "m NF stochastic, v SqrtLinear nearest": (NF_SR, "Rank-1/SqrtLinear"),
+    "default (NF stochastic, SqrtLinear stochastic)": (NF_SR, SQRT_LINEAR_SR),
 }
 
 

@@ -140,8 +140,9 @@ def adamw_4bit(
   ``optax.adamw``.
 
   About 1 byte per parameter instead of 8. With the default recipe the first
-  moment is stored ``B128/NF`` (block-wise normal-float, stochastic rounding),
-  the second ``Rank-1/SqrtLinear`` (rank-1 normalization of ``sqrt(v)``);
+  moment is stored ``B128/NF`` (block-wise normal-float), the second
+  ``Rank-1/SqrtLinear`` (rank-1 normalization of ``sqrt(v)``), both rounded
+  stochastically;
   ``recipe="paper"`` gives the paper's ``B128/DE`` and ``Rank-1/Linear`` (see
   `optax4bit.recipes`). Weight decay is decoupled and applied exactly as in
   ``optax.adamw``:

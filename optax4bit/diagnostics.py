@@ -32,12 +32,12 @@ Example:
   ...   updates, state = update(grads, state, params)
   >>> (leaf,) = diagnostics.quantization_report(state)
   >>> leaf.path, leaf.m_spec, leaf.v_spec, leaf.v_zero_fraction
-  ("['w']", 'B128/NF stochastic', 'Rank-1/SqrtLinear', 0.0)
+  ("['w']", 'B128/NF stochastic', 'Rank-1/SqrtLinear stochastic', 0.0)
   >>> 0 < leaf.rel_err_m < 0.3 and 0 < leaf.rel_err_direction < 0.5
   True
   >>> print(diagnostics.format_report([leaf]))  # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
   path shape m v err m err v err dir v=0 m rows/cols v rows/cols bytes
-  ['w'] 128x256 B128/NF stochastic Rank-1/SqrtLinear ...
+  ['w'] 128x256 B128/NF stochastic Rank-1/SqrtLinear stochastic ...
 """
 
 from __future__ import annotations
@@ -166,6 +166,11 @@ class LeafReport:
     v_row_concentration: the same for ``v`` rows.
     v_col_concentration: the same for ``v`` columns.
     nbytes: bytes stored for this leaf's two moments.
+    v_step_scale: how the stored ``v`` scales the step against float32
+      Adam's: the geometric mean of ``sqrt(fp32 v / stored v)`` over the
+      elements where both are > 0 (1: unbiased; below 1: steps smaller, as a
+      second moment rounded to nearest that stalls above its float32 value
+      gives them). NaN where there is no such element.
   """
 
   path: str
@@ -181,6 +186,7 @@ class LeafReport:
   v_row_concentration: float
   v_col_concentration: float
   nbytes: int
+  v_step_scale: float = math.nan
 
   @property
   def quantized(self) -> bool:
@@ -266,6 +272,13 @@ def _concentration(x: np.ndarray, top_fraction: float) -> tuple:
     return float(np.sort(mass)[-k:].sum() / total)
 
   return share(a.sum(axis=1)), share(a.sum(axis=0))
+
+
+def _step_scale(v: np.ndarray, v_ref: np.ndarray) -> float:
+  both = (v > 0) & (v_ref > 0)
+  if not both.any():
+    return math.nan
+  return float(np.exp(0.5 * np.mean(np.log(v_ref[both] / v[both]))))
 
 
 def _direction(m, v, count, b1, b2, eps, eps_root):
@@ -378,6 +391,7 @@ def quantization_report(
         rel_err_v=_rel_err(v, v_ref),
         rel_err_direction=_rel_err(direction, ref_direction),
         v_zero_fraction=float(np.mean((v == 0) & (v_ref > 0))) if v.size else 0.0,
+        v_step_scale=_step_scale(v, v_ref),
         m_row_concentration=m_rows,
         m_col_concentration=m_cols,
         v_row_concentration=v_rows,

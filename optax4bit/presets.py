@@ -125,8 +125,8 @@ def ademamix_4bit(
   """AdEMAMix with 4-bit states: a drop-in for ``optax.contrib.ademamix``.
 
   Both EMAs of the gradient (``m1``, ``m2``) are stored ``B128/NF`` with
-  stochastic rounding and the second moment ``nu`` ``Rank-1/SqrtLinear``
-  (``recipe="paper"``: ``B128/DE``, ``m2`` stochastic, and
+  stochastic rounding and the second moment ``nu`` ``Rank-1/SqrtLinear``, also
+  stochastic (``recipe="paper"``: ``B128/DE``, ``m2`` stochastic, and
   ``Rank-1/Linear``): about 1.6 bytes of state per
   parameter instead of 12. The composition of ``optax.contrib.ademamix`` with
   the stateful part wrapped:
@@ -221,7 +221,7 @@ def muon_4bit(
   runs them one leaf after another. **By default the momentum of the
   matrices is stored in 8 bits**, ``B2048/DE`` with rounding to nearest
   (`MUON_MOMENTUM_8BIT`), Adam's moments with the library's recipe
-  (``recipe="default"``: ``B128/NF`` stochastic and ``Rank-1/SqrtLinear``; or
+  (``recipe="default"``: ``B128/NF`` and ``Rank-1/SqrtLinear``, stochastic; or
   ``"paper"``): about 1.0 byte of state per matrix parameter instead of 4.
   ``spec_for={"MuonState.mu": optax4bit.presets.MUON_MOMENTUM}`` stores it
   in 4 bits (``B32/NF``, stochastic rounding; about 0.63 byte).

@@ -7,42 +7,40 @@ and rank-1 scales (one float32 per row and per column) for the second moment.
 
 * ``"paper"``: first moment ``B128/DE``, second moment ``Rank-1/Linear``,
   both rounded to the nearest entry.
-* ``"default"``: first moment ``B128/NF`` (the 4-bit normal-float map) with
-  stochastic rounding; second moment ``Rank-1/SqrtLinear`` (``sqrt(v)`` coded
-  with the linear map: entries ``((i + 1) / 16)**2`` of the scale, down to
-  1/256 of it), nearest rounding.
+* ``"default"``: first moment ``B128/NF`` (the 4-bit normal-float map) and
+  second moment ``Rank-1/SqrtLinear`` (``sqrt(v)`` coded with the linear map:
+  entries ``((i + 1) / 16)**2`` of the scale, down to 1/256 of it), both
+  rounded stochastically.
 
-Why the default differs (benchmarks/history/log-to-2026-11.md, "Training quality"): where
-the moments of a tensor span a wide range inside its rows and columns, the
-paper's recipe loses in two ways. ``Rank-1/Linear`` decodes every second
-moment below 1/16 of its scale to 1/16 of it, so those elements take steps
-up to several times too small; ``SqrtLinear`` reaches 16 times lower and
-keeps ``Linear``'s even spacing in ``sqrt(v)``, the quantity Adam divides by.
-A first moment rounded to the nearest entry stops moving when the EMA's
-change per step is below half the gap between entries (the step is rounded
-away); stochastic rounding keeps its expectation exact, and the normal-float
+Why the default differs (benchmarks/history/log-to-2026-11.md, "Training
+quality", and benchmarks/history/2026-11-27-issue-40.md): an EMA rounded to
+the nearest entry stops moving when its change per step is below half the
+gap between entries, since each step is rounded away. Adam's second moment
+(``b2 = 0.999``) changes by about 0.1% per step against gaps of 12% or more
+at 4 bits, so rounded to nearest it stays where it was, and with it the step
+size; the first moment stalls the same way where the gradient is exact
+(full-batch training). Stochastic rounding keeps each moment's expectation
+exact. ``Rank-1/Linear`` also decodes every second moment below 1/16 of its
+scale to 1/16 of it, so those elements take steps up to several times too
+small; ``SqrtLinear`` reaches 16 times lower and keeps ``Linear``'s even
+spacing in ``sqrt(v)``, the quantity Adam divides by, and the normal-float
 map spends its entries where a block's values are.
 
-Which one to use (benchmarks/history/2026-11-27-issue-40.md): the default
-for full-batch and low-noise training, where every first moment rounded to
-the nearest entry stalls (least squares: 1.30x float32 Adam's loss at step
-300 with the default, 4.4x with the paper's). With minibatch gradients the
-EMA moves every step, nearest rounding does not stall it, and stochastic
-rounding only adds noise to each step's direction: on a 3 x 192 byte LM at
-lr 3e-3 without clipping the paper's recipe ends +2.1% above float32 AdamW
-against the default's +3.6%, on a 4 x 384 prose LM -0.38% against +0.04%
-(on the benchmark's four other LMs the two are level). For minibatch training
-of transformers, compare
-``recipe="paper"`` with the default on a short run.
-(In 0.1.0 the default's second moment was ``Rank-1/SqrtDE-0``, +5.2% on
-that LM; ``second_moment="Rank-1/SqrtDE-0"`` still selects it.)
+Measured (paired against float32 AdamW, benchmarks/RESULTS.md): least
+squares 1.24x float32 Adam's loss at step 300 with the default, 4.4x with the
+paper's; on a 3 x 192 byte LM at lr 3e-3 without clipping the default ends
++0.46% above float32 AdamW (5 seeds) and the paper's +2.1%. Where the paper's
+recipe is ahead on a language model, it is by less than the seeds' noise
+(a 4 x 384 prose LM). (In 0.1.0 the default's second moment was
+``Rank-1/SqrtDE-0`` rounded to the nearest entry: ``second_moment=
+"Rank-1/SqrtDE-0"`` selects it.)
 
 Example:
   >>> import optax4bit
   >>> optax4bit.recipes.RECIPES["paper"].first_moment.name
   'B128/DE'
-  >>> optax4bit.recipes.resolve("default", first_moment="B128/DE").second_moment.name
-  'Rank-1/SqrtLinear'
+  >>> optax4bit.recipes.resolve("default", first_moment="B128/DE").second_moment
+  QuantSpec(normalization='rank1', mapping='SqrtLinear', bits=4, signed=False, block_size=0, stochastic=True)
 """
 
 from optax4bit._recipes import RECIPES, Recipe, resolve

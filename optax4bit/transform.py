@@ -199,8 +199,8 @@ def scale_by_adam_4bit(
     second_moment: quantizer of the second moment (unsigned), overriding the
       recipe's; a map with a zero code (``"B128/DE"``) shows the paper's
       zero-point problem.
-    recipe: ``"default"`` (first moment ``B128/NF`` with stochastic rounding,
-      second moment ``Rank-1/SqrtLinear``) or ``"paper"`` (``B128/DE`` and
+    recipe: ``"default"`` (first moment ``B128/NF``, second moment
+      ``Rank-1/SqrtLinear``, both rounded stochastically) or ``"paper"`` (``B128/DE`` and
       ``Rank-1/Linear``, nearest rounding); see `optax4bit.recipes`.
     first_moment: quantizer of the first moment, overriding the recipe's: a
       name such as ``"B128/DE"`` (signed) or a `QuantSpec`.
@@ -341,8 +341,8 @@ def scale_by_factored_adam_4bit(
     eps_root: term added to the second moment inside the square root.
     second_moment: quantizer of the second moment of 1-D leaves, overriding
       the recipe's.
-    recipe: ``"default"`` (first moment ``B128/NF`` with stochastic rounding,
-      second moment ``Rank-1/SqrtLinear``) or ``"paper"`` (``B128/DE`` and
+    recipe: ``"default"`` (first moment ``B128/NF``, second moment
+      ``Rank-1/SqrtLinear``, both rounded stochastically) or ``"paper"`` (``B128/DE`` and
       ``Rank-1/Linear``, nearest rounding); see `optax4bit.recipes`.
     first_moment: quantizer of the first moment, overriding the recipe's: a
       name such as ``"B128/DE"`` (signed) or a `QuantSpec`.

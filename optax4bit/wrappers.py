@@ -91,7 +91,8 @@ def quantize_state(
   (``ScaleByAdamState.mu``, ``TraceState.trace``, ``EmaState.ema``, ...) get
   ``B128/NF`` with stochastic rounding, non-negative, second-moment-like
   fields (``ScaleByAdamState.nu``, ``ScaleByAmsgradState.nu_max``,
-  ``ScaleByRmsState.nu``, ``FactoredState.v``, ...) get ``Rank-1/SqrtLinear``;
+  ``ScaleByRmsState.nu``, ``FactoredState.v``, ...) ``Rank-1/SqrtLinear``, also
+  stochastic;
   copies of the parameters (``init_params``, ``params0``, schedule-free's
   ``z``) stay in full precision. Stochastic rounding matters most for slow
   EMAs (``ScaleByLionState.mu`` with decay 0.99, ``ScaleByAdemamixState.m2``
@@ -180,7 +181,7 @@ def quantize_state(
     >>> adam_state.mu["w"]
     QuantizedArray(B128/NF (4-bit, signed, stochastic), shape=(1024, 1024), dtype=float32)
     >>> adam_state.nu["w"]
-    QuantizedArray(Rank-1/SqrtLinear (4-bit, unsigned), shape=(1024, 1024), dtype=float32)
+    QuantizedArray(Rank-1/SqrtLinear (4-bit, unsigned, stochastic), shape=(1024, 1024), dtype=float32)
     >>> adam_state.nu["b"].dtype  # 1024 elements <= min_quantize_size: float32
     dtype('float32')
     >>> round(optax4bit.state_nbytes(state) / (1024 * 1024 + 1024), 2)

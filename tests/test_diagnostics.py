@@ -98,11 +98,15 @@ def test_report_matches_float64_numpy(adam_run):
     d32 = (m32 / (1 - B1**STEPS)) / (np.sqrt(v32 / (1 - B2**STEPS)) + EPS)
     np.testing.assert_allclose(r.rel_err_direction, _norm(d - d32) / _norm(d32), rtol=1e-12)
     assert r.v_zero_fraction == 0.0
+    both = (v > 0) & (v32 > 0)
+    np.testing.assert_allclose(r.v_step_scale,
+                               np.exp(np.mean(0.5 * np.log(v32[both] / v[both]))), rtol=1e-12)
     assert r.nbytes == sum(x.size * x.dtype.itemsize for x in
                            jax.tree.leaves((adam4.mu[name], adam4.nu[name])))
     if name == "small":
       assert (r.m_spec, r.v_spec, r.quantized) == ("float32", "float32", False)
       assert max(r.rel_err_m, r.rel_err_v, r.rel_err_direction) < 1e-6
+      assert abs(r.v_step_scale - 1) < 1e-6
     else:
       assert (r.m_spec, r.v_spec, r.quantized) == ("B128/DE", "Rank-1/Linear", True)
       assert 0 < r.rel_err_m < 0.5 and 0 < r.rel_err_v < 0.5 and 0 < r.rel_err_direction < 0.5

@@ -200,9 +200,9 @@ def test_hashed_stochastic_rounding_is_unbiased(name):
 def test_recipes_resolve():
   default, paper = recipes.RECIPES["default"], recipes.RECIPES["paper"]
   assert default.first_moment == QuantSpec("block", "NF", 4, True, 128, stochastic=True)
-  assert default.second_moment == QuantSpec.parse("Rank-1/SqrtLinear")
+  assert default.second_moment == QuantSpec.parse("Rank-1/SqrtLinear", stochastic=True)
   assert paper == (QuantSpec.parse("B128/DE"), QuantSpec.parse("Rank-1/Linear"))
-  mixed = recipes.resolve("paper", second_moment="Rank-1/SqrtLinear")
+  mixed = recipes.resolve("paper", second_moment=default.second_moment)
   assert mixed == (paper.first_moment, default.second_moment)
   with pytest.raises(ValueError, match="recipe must be one of"):
     optax4bit.adamw_4bit(1e-3, recipe="bitsandbytes")
