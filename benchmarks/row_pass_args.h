@@ -1,7 +1,7 @@
 // The arguments of the C++ kernel's row passes over a leaf of `rows` rows of
 // 2h floats, with fixed tables, coefficients and column scales: Adam's two
-// (StatsRows, ApplyRows) with a signed uniform table for m, squares (as
-// SqrtDE-0's) for v, and their midpoints; the first-moment steps'
+// (StatsRows, ApplyRows) with a signed uniform table for m, squares
+// (SqrtLinear's entries) for v, and their midpoints; the first-moment steps'
 // (FirstMomentRows) and 8-bit Adam's (Apply8bitRows). Shared by the row
 // harness (benchmarks/cpu_kernel_rows.cc), the instruction counts
 // (benchmarks/row_instruction_counts.cc) and the aarch64 row check of

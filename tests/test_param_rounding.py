@@ -385,7 +385,10 @@ def test_multisteps_rounds_once_per_step_on_the_mean_gradients():
     # Measured: 2 of 8192 after the 2nd and 3rd step (2026-11-27, CPU).
     assert differ.mean() <= 0.002, f"{differ.sum()} of {differ.size} differ"
     assert np.all(np.abs(p - q) <= cycles * ulp), np.abs(p - q).max()
-    assert np.mean(p != p0) > 0.5  # steps of about lr, well under an ulp for many
+    # The params moved: 3 steps of about lr, under an ulp for many (measured with the
+    # default recipe, 2026-11-27: 50% of "b" and 51% of "w" moved; 45% and 35% rounded
+    # to nearest).
+    assert np.mean(p != p0) > 0.3
 
 
 def test_offloaded_and_checkpointed_bitwise():
