@@ -236,12 +236,64 @@ def test_kernel_encoders_match_maps():
     spec = as_spec(f"B128/{mapping}", signed=signed)
     nearest = _codebook.bucket_table(mapping, signed, inclusive=False)
     np.testing.assert_array_equal(
-        np.asarray(_math.encode_nearest(n, spec, nearest, nearest.entries, _gather_row)),
+        np.asarray(_math.encode_nearest(n, spec, nearest, nearest.entries, _gather_row,
+                                        _math.KernelMath(triton=False))),
         np.asarray(maps.encode_nearest(n, mapping, 4, signed)))
     codes = jnp.arange(256, dtype=jnp.int32)
     even, odd = _math.decode_bytes(codes, _codebook.decode_pairs(spec), _gather_row)
     np.testing.assert_array_equal(np.asarray(even), table[np.arange(256) & 15])
     np.testing.assert_array_equal(np.asarray(odd), table[np.arange(256) >> 4])
+
+
+def _linear_test_values() -> np.ndarray:
+  """float32 around every Linear entry and midpoint, the specials, and a
+  spread over [-2, 2]."""
+  points = np.concatenate([(np.arange(16) + 1) / 16, (np.arange(17) + 0.5) / 16]).astype(np.float32)
+  near = [points, np.nextafter(points, np.float32(2)), np.nextafter(points, np.float32(-2))]
+  specials = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-39, np.inf, -np.inf, np.nan, 3e38, -3e38,
+                       1.0 + 2**-23, 2**-24], np.float32)
+  spread = np.random.RandomState(5).uniform(-2, 2, 4096).astype(np.float32)
+  return np.concatenate(near + [specials, spread])
+
+
+def test_linear_code_conversion_matches_maps():
+  """`KernelMath.linear_code`'s GPU path, ``min(cvt.rpi.u32.f32(n * 16 -
+  1.5), 15)``, emulated with the PTX ISA's rules for a float-to-integer
+  ``cvt`` (round up; clamp to the destination's range; NaN to 0), against
+  `maps.encode_nearest` of NaN-as-0 values (what `normalized` gives it), and
+  the interpret path against the same."""
+  n = _linear_test_values()
+  with np.errstate(invalid="ignore", over="ignore"):
+    scaled = n * np.float32(16) - np.float32(1.5)  # n * 16 is exact
+    converted = np.where(np.isnan(scaled), 0, np.clip(np.ceil(scaled.astype(np.float64)), 0,
+                                                      2.0**32 - 1))
+  emulated = np.minimum(converted, 15).astype(np.int64)
+  reference = np.asarray(maps.encode_nearest(jnp.asarray(np.where(np.isnan(n), 0, n)), "Linear",
+                                             4, False)).astype(np.int64)
+  np.testing.assert_array_equal(emulated, reference)
+  interpret = _math.KernelMath(triton=False).linear_code(jnp.asarray(n), 4)
+  np.testing.assert_array_equal(np.asarray(interpret), reference)
+
+
+def test_finite_abs_keys_give_the_largest_finite_magnitude():
+  """`_math.finite_abs_key`'s unsigned maximum, read back by `abs_of_key`,
+  is the largest finite ``|x|`` (0 where none), per row and over all, with
+  signed zeros, subnormals, infinities, NaNs and masks."""
+  rng = np.random.RandomState(11)
+  x = (rng.standard_normal((6, 64)) * 10.0 ** rng.uniform(-40, 38, (6, 64))).astype(np.float32)
+  x[0, :5] = [np.inf, -np.inf, np.nan, -np.nan, -3e38]
+  x[1] = np.where(rng.uniform(size=64) < 0.5, np.inf, np.nan)  # nothing finite
+  x[2] = -0.0
+  x[3, :] = np.float32(-1e-45) * np.arange(64)  # subnormals only
+  mask = rng.uniform(size=(6, 64)) < 0.7
+  for m in (None, mask):
+    keys = _math.finite_abs_key(jnp.asarray(x), None if m is None else jnp.asarray(m))
+    keep = np.isfinite(x) & (True if m is None else m)
+    want = np.where(keep, np.abs(x), np.float32(0))
+    for axis in (0, 1, None):
+      got = np.asarray(_math.abs_of_key(keys.max(axis=axis)))
+      # Bits, not values: no flush of subnormals on either side.
+      np.testing.assert_array_equal(got.view(np.uint32), want.max(axis=axis).view(np.uint32))
 
 
 @pytest.mark.parametrize("name", ["B128/DE", "Rank-1/Linear"])

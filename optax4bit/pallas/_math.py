@@ -47,14 +47,14 @@ class KernelMath:
     self.triton = triton
 
   @staticmethod
-  def _asm(asm: str, *args):
+  def _asm(asm: str, *args, result_dtype=jnp.float32):
     from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
     shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
     args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in args]
     constraints = "=r," + ",".join("r" for _ in args)
     (out,) = plgpu.elementwise_inline_asm(
         asm, args=args, constraints=constraints, pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, result_dtype)])
     return out
 
   def div(self, a, b):
@@ -107,6 +107,23 @@ class KernelMath:
     inverse = jnp.minimum(quotient * scale, np.float32(np.finfo(np.float32).max))
     return jnp.where(positive, inverse, np.float32(0))
 
+  def linear_code(self, n, bits: int):
+    """`maps.encode_nearest`'s Linear code (int32) of ``n``, ``clip(ceil(n *
+    2**bits - 1.5), 0, 2**bits - 1)``, with NaN as 0 (as `normalized` would
+    make it). On the GPU the ceiling and the clip's lower end are one
+    ``cvt.rpi.u32.f32``, which rounds up, saturates negatives (and ``-inf``)
+    to 0 and converts NaN to 0; ``n * 2**bits`` is exact, so the fused
+    ``n * 2**bits - 1.5`` is the reference's."""
+    levels = 2**bits
+    if not self.triton:
+      n = jnp.where(jnp.isnan(n), np.float32(0), n)
+      return maps.encode_nearest(n, "Linear", bits, False).astype(jnp.int32)
+    scaled = n * np.float32(levels) - np.float32(1.5)
+    # Triton's inline asm returns signless integers: read its bits as uint32.
+    code = jax.lax.bitcast_convert_type(
+        self._asm("cvt.rpi.u32.f32 $0, $1;", scaled, result_dtype=jnp.int32), jnp.uint32)
+    return jnp.minimum(code, np.uint32(levels - 1)).astype(jnp.int32)
+
   def sqrt(self, x):
     """The square root of the update's denominator (``sqrt.approx.ftz.f32``
     on the GPU, see the class): ``+-0`` and ``inf`` are their own roots, NaN
@@ -134,16 +151,20 @@ def count_below(x, bucket: BucketTable, table, gather_row: GatherRow):
   return base + crossed.astype(jnp.int32)
 
 
-def normalized(x, inverse_times_4):
-  """`normalize.normalize`'s value of ``x`` given ``4 / scale``, NaN as 0."""
+def normalized(x, inverse_times_4, nan_to_zero: bool = True):
+  """`normalize.normalize`'s value of ``x`` given ``4 / scale``, NaN as 0
+  (left NaN if not ``nan_to_zero``: for encoders that code NaN as 0)."""
   n = (x * inverse_times_4) * np.float32(0.25)
-  return jnp.where(jnp.isnan(n), np.float32(0), n)
+  return jnp.where(jnp.isnan(n), np.float32(0), n) if nan_to_zero else n
 
 
-def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_row: GatherRow):
-  """`maps.encode_nearest` (int32 codes)."""
+def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_row: GatherRow,
+                   kmath: KernelMath):
+  """`maps.encode_nearest` (int32 codes); a Linear map codes NaN as 0 (the
+  other maps' lookups need ``n`` not NaN). The Linear code ignores
+  ``signed``, as the reference's does."""
   if spec.mapping == "Linear":
-    return maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed).astype(jnp.int32)
+    return kmath.linear_code(n, spec.bits)
   return count_below(n, bucket, table, gather_row)
 
 
@@ -162,11 +183,30 @@ def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_row: 
   return lower + (uniform < probability(n - low_value, gap, reciprocal)).astype(jnp.int32)
 
 
-def finite_abs(x, mask=None):
-  """``|x|`` where finite (and ``mask``), else 0: what a scale's maximum sees."""
-  absolute = jnp.abs(x)
-  keep = absolute < np.float32(np.inf)  # false for NaN too: one compare
-  return jnp.where(keep if mask is None else mask & keep, absolute, np.float32(0))
+# The key of |x| = 0 (`finite_abs_key`).
+_ZERO_KEY = np.uint32(1 << 24)
+
+
+def finite_abs_key(x, mask=None):
+  """uint32 keys of float32 ``x`` whose unsigned maximum is the key of the
+  largest finite ``|x|`` (where ``mask``), or of 0 if there is none: what a
+  scale's maximum sees (`abs_of_key` reads it back).
+
+  ``2 * bits(x) + 2**24`` (modulo 2**32) drops the sign bit and keeps the
+  order of the magnitudes' bits, which is their order as floats; ``+-inf``
+  wraps to 0 and NaN to below the key of 0. One shift-and-add per element
+  and an integer maximum, where ``where(|x| < inf, |x|, 0)`` costs an
+  absolute value, a compare and a select before its float maximum."""
+  key = jax.lax.bitcast_convert_type(x, jnp.uint32) * np.uint32(2) + _ZERO_KEY
+  return key if mask is None else jnp.where(mask, key, _ZERO_KEY)
+
+
+def abs_of_key(key):
+  """The float32 ``|x|`` of a maximum of `finite_abs_key` keys (0 where
+  no finite ``x`` was seen)."""
+  magnitude_bits = jax.lax.shift_right_logical(jnp.maximum(key, _ZERO_KEY) - _ZERO_KEY,
+                                               np.uint32(1))
+  return jax.lax.bitcast_convert_type(magnitude_bits, jnp.float32)
 
 
 def pack(code_even, code_odd, valid_odd=None):
