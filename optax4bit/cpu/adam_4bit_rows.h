@@ -293,9 +293,7 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
   const int64_t h = a.h, d = 2 * h;
   const Coefficients& c = a.c;
   const TableRounding m_rounding(a.m_table, a.m_table + kTableSize, a.m_seed);
-  // Built only for a second moment rounded stochastically (EncodeMoments reads it then).
-  std::optional<TableRounding> v_rounding;
-  if (a.v_stochastic) v_rounding.emplace(a.v_table, a.v_table + kTableSize, a.v_seed);
+  const TableRounding v_rounding(a.v_table, a.v_table + kTableSize, a.v_seed);
   const Bounds v_thresholds4 = MakeBounds(a.v_thresholds4);
   const Table m_table = LoadTable(a.m_table), v_table = LoadTable(a.v_table);
   const float r = 1.0f / c.c2;
@@ -315,7 +313,7 @@ void ApplyRows(const ApplyRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
       divide |= MomentsAndUpdate<false>(a, i, m_table, v_table, VF{} + r, m, v);
       if (divide) UpdateT<true>(h, m, v, c, r, out);
     }
-    EncodeMoments(a, i, m_rounding, v_rounding ? *v_rounding : m_rounding, v_thresholds4, m, v);
+    EncodeMoments(a, i, m_rounding, v_rounding, v_thresholds4, m, v);
   }
 }
 

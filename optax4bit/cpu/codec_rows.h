@@ -66,21 +66,20 @@ void EncodeBlockRows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* scra
 void EncodeRank1Rows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
   const int64_t h = a.h;
   const Bounds thresholds4 = MakeBounds(a.thresholds4);
-  std::optional<TableRounding> rounding;  // stochastic rounding only
-  if (a.stochastic) rounding.emplace(a.table, a.table + kTableSize, a.seed);
+  const TableRounding rounding(a.table, a.table + kTableSize, a.seed);
   for (int64_t i = lo; i < hi; ++i) {
     SplitRow(h, a.x + i * 2 * h, scratch);
     const float row_inverse = InverseTimes4(a.row_scales[i]) * a.inverse_factor;
     uint8_t* codes = a.codes_out + i * h;
-    if (!rounding) {
+    if (!a.stochastic) {
       EncodeSecondMoment(a.linear, h, scratch, row_inverse, a.inv_col_even, a.inv_col_odd,
                          thresholds4, codes);
-    } else if (rounding->fast) {
+    } else if (rounding.fast) {
       EncodeSecondMomentStochasticT<true>(h, scratch, row_inverse, a.inv_col_even,
-                                          a.inv_col_odd, *rounding, a.row_base[i], codes);
+                                          a.inv_col_odd, rounding, a.row_base[i], codes);
     } else {
       EncodeSecondMomentStochasticT<false>(h, scratch, row_inverse, a.inv_col_even,
-                                           a.inv_col_odd, *rounding, a.row_base[i], codes);
+                                           a.inv_col_odd, rounding, a.row_base[i], codes);
     }
   }
 }

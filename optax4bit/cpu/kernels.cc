@@ -66,7 +66,6 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <mutex>
 #include <thread>
 #include <string>
