@@ -133,6 +133,9 @@ def run(variant: str, t: quality.Training, seed: int, data, *, fresh: bool) -> d
   key = {"variant": variant, "group": group, "param_dtype": jnp.dtype(dtype).name,
          "training": dataclasses.asdict(t), "settings": quality.LM_MODEL, "seed": seed,
          "muon_lr": MUON_LR if group == "muon" else None, "corpus": corpus}
+  if variant.startswith("adamw_4bit"):  # a change of the default recipe retrains
+    key["quantizers"] = quality.variant_quantizers(
+        "adamw_4bit_factor" if "factor" in variant else "adamw_4bit")
   path = os.path.join(RUNS, f"{variant}_steps{t.steps}_seed{seed}.json")
 
   def fresh_run():
