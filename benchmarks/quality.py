@@ -158,6 +158,11 @@ CANDIDATE_VARIANTS = {
 # Adam with an Adafactor-factored second moment, both moments float32
 # (`scale_by_factored_adam_fp32`): what 4-bit Factor would be without 4 bits.
 FACTOR_FP32 = "adamw_factor_fp32"
+# fp32 AdamW whose Adam step (not its weight decay) is multiplied by a
+# constant: what a second moment stored ``scale**2`` too small gives. The
+# paper's recipe rounds its v to nearest and stalls below fp32's; its
+# `diagnostics` v step scale is 1.32-1.37 at step 1000 on the LMs (issue 40).
+STEP_SCALED_VARIANTS = {"adamw_step1.35x": 1.35}
 # Issue 40's "stochastic rounding only where the EMA stalls", simulated in
 # float32 (`scale_by_adam_simulated_4bit`): m in B128/NF (or the third entry),
 # v in the second; m rounded stochastically always ("sr", the default's rule),
@@ -182,7 +187,7 @@ SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
                       "sim_m_fp32_v_b128_sqrtlinear": ("fp32", "B128/SqrtLinear")}
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
 VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32,)
-            + tuple(SIMULATED_VARIANTS))
+            + tuple(SIMULATED_VARIANTS) + tuple(STEP_SCALED_VARIANTS))
 
 
 def simulated_quantizers(variant: str) -> tuple:
@@ -207,7 +212,7 @@ def _accepts(fn: Callable, argument: str) -> bool:
 def variant_unavailable(variant: str) -> Optional[str]:
   """Why this library cannot build ``variant`` (None when it can)."""
   if variant in (REFERENCE, FACTOR_FP32) or variant in CANDIDATE_VARIANTS or \
-      variant in SIMULATED_VARIANTS:
+      variant in SIMULATED_VARIANTS or variant in STEP_SCALED_VARIANTS:
     return None
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if recipe is not None and not _accepts(getattr(optax4bit, builder), "recipe"):
@@ -222,6 +227,9 @@ def variant_quantizers(variant: str) -> dict:
     return {"first_moment": "fp32", "second_moment": "fp32"}
   if variant == FACTOR_FP32:
     return {"first_moment": "fp32", "second_moment": "Factor fp32 (ndim >= 2), fp32 (1-D)"}
+  if variant in STEP_SCALED_VARIANTS:
+    return {"first_moment": "fp32",
+            "second_moment": f"fp32, Adam step x{STEP_SCALED_VARIANTS[variant]:g}"}
   if variant in SIMULATED_VARIANTS:
     rounding, second, first = simulated_quantizers(variant)
     return {"first_moment": f"{first} simulated, rounding {rounding}",
@@ -276,6 +284,10 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
     rounding, second, first = simulated_quantizers(variant)
     tx = optax.chain(scale_by_adam_simulated_4bit(rounding, second, seed, t.min_quantize_size,
                                                   first),
+                     optax.add_decayed_weights(t.weight_decay, mask),
+                     optax.scale_by_learning_rate(lr))
+  elif variant in STEP_SCALED_VARIANTS:
+    tx = optax.chain(optax.scale_by_adam(), optax.scale(STEP_SCALED_VARIANTS[variant]),
                      optax.add_decayed_weights(t.weight_decay, mask),
                      optax.scale_by_learning_rate(lr))
   elif variant == FACTOR_FP32:
