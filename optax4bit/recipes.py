@@ -30,8 +30,11 @@ Measured (paired against float32 AdamW, benchmarks/RESULTS.md): least
 squares 1.24x float32 Adam's loss at step 300 with the default, 4.4x with the
 paper's; on a 3 x 192 byte LM at lr 3e-3 without clipping the default ends
 +0.46% above float32 AdamW (5 seeds) and the paper's +2.1%. Where the paper's
-recipe is ahead on a language model, it is by less than the seeds' noise
-(a 4 x 384 prose LM). (In 0.1.0 the default's second moment was
+recipe is ahead on a language model, it is for one of two reasons: its
+stalled second moment makes the steps 1.3x float32 Adam's, which float32
+AdamW with larger steps gains from too (a 4 x 128 byte LM: paper -1.29%,
+default -0.03%); or its first moment is rounded to nearest (a 4 x 384 prose
+LM: -0.33% against +0.17%), which full-batch training cannot afford. (In 0.1.0 the default's second moment was
 ``Rank-1/SqrtDE-0`` rounded to the nearest entry: ``second_moment=
 "Rank-1/SqrtDE-0"`` selects it.)
 

@@ -379,9 +379,8 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
       _store(next(out), segment, seg_max, segment_valid)
     else:
       inverse = tile.per_element(fmt, refs.inverse[k], jnp.maximum)
+    n = [_math.normalized(values[h], inverse[h]) for h in range(2)]
     spec, tables = fmt.spec, refs.encode_tables[k]
-    linear = spec.mapping == "Linear" and not spec.stochastic  # codes NaN as 0 itself
-    n = [_math.normalized(values[h], inverse[h], nan_to_zero=not linear) for h in range(2)]
     if spec.stochastic:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=True)
       uniform = tile.uniforms(refs.seeds[k], refs.row_bases)

@@ -116,7 +116,7 @@ class KernelMath:
     ``n * 2**bits - 1.5`` is the reference's."""
     levels = 2**bits
     if not self.triton:
-      n = jnp.where(jnp.isnan(n), np.float32(0), n)
+      n = _nan_as_zero(n)
       return maps.encode_nearest(n, "Linear", bits, False).astype(jnp.int32)
     scaled = n * np.float32(levels) - np.float32(1.5)
     # Triton's inline asm returns signless integers: read its bits as uint32.
@@ -151,26 +151,30 @@ def count_below(x, bucket: BucketTable, table, gather_row: GatherRow):
   return base + crossed.astype(jnp.int32)
 
 
-def normalized(x, inverse_times_4, nan_to_zero: bool = True):
-  """`normalize.normalize`'s value of ``x`` given ``4 / scale``, NaN as 0
-  (left NaN if not ``nan_to_zero``: for encoders that code NaN as 0)."""
-  n = (x * inverse_times_4) * np.float32(0.25)
-  return jnp.where(jnp.isnan(n), np.float32(0), n) if nan_to_zero else n
+def normalized(x, inverse_times_4):
+  """`normalize.normalize`'s value of ``x`` given ``4 / scale``, before its
+  NaN-as-0: the encoders code NaN as 0 themselves, each the cheapest way."""
+  return (x * inverse_times_4) * np.float32(0.25)
+
+
+def _nan_as_zero(n):
+  return jnp.where(jnp.isnan(n), np.float32(0), n)
 
 
 def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_row: GatherRow,
                    kmath: KernelMath):
-  """`maps.encode_nearest` (int32 codes); a Linear map codes NaN as 0 (the
-  other maps' lookups need ``n`` not NaN). The Linear code ignores
-  ``signed``, as the reference's does."""
+  """`maps.encode_nearest` (int32 codes) of `normalize.normalize`'s value,
+  NaN coded as 0's code (the Linear code does so in its conversion, the
+  bucket lookup needs ``n`` not NaN). The Linear code ignores ``signed``, as
+  the reference's does."""
   if spec.mapping == "Linear":
     return kmath.linear_code(n, spec.bits)
-  return count_below(n, bucket, table, gather_row)
+  return count_below(_nan_as_zero(n), bucket, table, gather_row)
 
 
 def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_row: GatherRow,
                       probability=lambda d, gap, reciprocal: d / gap):
-  """`maps.encode_stochastic` (int32 codes) of ``n`` (not NaN).
+  """`maps.encode_stochastic` (int32 codes) of ``n``, NaN coded as 0's code.
 
   ``lower`` is the largest entry ``<= n`` (0 below the first); the gap after
   the last entry is ``inf``, so that there, and below the first entry, the
@@ -178,6 +182,7 @@ def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_row: 
   codes. ``probability(d, gap, reciprocal)``: ``d / gap``
   (`KernelMath.probability`); ``gaps``: `_codebook.entry_gaps`.
   """
+  n = _nan_as_zero(n)
   lower = count_below(n, bucket, table, gather_row)
   low_value, gap, reciprocal = gather_row(gaps, lower)
   return lower + (uniform < probability(n - low_value, gap, reciprocal)).astype(jnp.int32)
