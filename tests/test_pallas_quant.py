@@ -166,8 +166,10 @@ def test_bucket_lookup_counts_exactly_as_the_reference_search(mapping, signed):
 def test_stochastic_rounding_gaps_suit_the_unchecked_division(mapping, signed):
   """`KernelMath.probability` divides by these gaps with the fast path of
   ``div.rn.f32`` only: they must be normal numbers at most 1, 0 or inf."""
-  value, gap, reciprocal = _codebook.entry_gaps(as_spec(f"B128/{mapping}", signed=signed)).T
-  np.testing.assert_array_equal(value, optax4bit.qmap(mapping, 4, signed))
+  negated_scaled, gap, reciprocal = _codebook.entry_gaps(
+      as_spec(f"B128/{mapping}", signed=signed)).T
+  np.testing.assert_array_equal(negated_scaled / np.float32(-(2.0**24)),
+                                optax4bit.qmap(mapping, 4, signed))
   assert gap[-1] == np.inf and reciprocal[-1] == 0
   for g, r in zip(gap[:-1], reciprocal[:-1]):
     if g != 0:
@@ -193,8 +195,8 @@ def _fma32(a, b, c) -> np.float32:
 def test_division_by_reciprocal_is_correctly_rounded_for_stochastic_rounding():
   """`KernelMath.probability`'s PTX, emulated with exact fused multiply-adds:
   the quotient of ``div.rn`` for every gap of every 4-bit map and
-  differences ``d`` spread over ``[0, gap]`` and down to 2**-40 of it, so
-  the decisions ``u < d / gap`` are too."""
+  differences ``d`` spread over ``[0, gap]`` and down to 2**-40 of it, times
+  2**24 as `_math.encode_stochastic` scales them, so the decisions are too."""
   rng = np.random.RandomState(3)
   for mapping, signed in _TABLES:
     _, gaps, reciprocals = _codebook.entry_gaps(as_spec(f"B128/{mapping}", signed=signed))[:-1].T
@@ -202,6 +204,7 @@ def test_division_by_reciprocal_is_correctly_rounded_for_stochastic_rounding():
       if gap == 0:
         continue
       ds = gap * np.concatenate([rng.uniform(0, 1, 48), 2.0 ** -rng.uniform(0, 40, 16), [1.0]])
+      ds = ds * 2.0**24
       for d in ds.astype(np.float32):
         q = _fma32(d, r, 0)
         q = _fma32(r, _fma32(-gap, q, d), q)
@@ -212,11 +215,14 @@ def test_division_by_reciprocal_is_correctly_rounded_for_stochastic_rounding():
 def test_kernel_encoders_match_maps():
   """The kernels' encoders (`optax4bit.pallas._math`, table lookups, no clip)
   against `maps.encode_nearest` / `maps.encode_stochastic`, with
-  `maps.uniform_of_index` the draws of `maps.hashed_uniform`."""
+  `maps.uniform_of_index` and the kernels' scaled draws those of
+  `maps.hashed_uniform`."""
   seed = maps.rounding_seed(KEY)
   u = maps.hashed_uniform(seed, (7, 300), (3,), (10, 300))  # rows 3..9
   index = (3 * 300 + jnp.arange(7 * 300, dtype=jnp.uint32)).reshape(7, 300)
   np.testing.assert_array_equal(np.asarray(maps.uniform_of_index(seed, index)), np.asarray(u))
+  scaled_u = maps.scaled_uniform_of_folded_index(maps.fold16(index), maps.fold16(seed))
+  np.testing.assert_array_equal(np.asarray(scaled_u), np.asarray(u) * np.float32(2.0**24))
   rng = np.random.RandomState(0)
   for mapping, signed in _TABLES:
     table = optax4bit.qmap(mapping, 4, signed)
@@ -228,7 +234,7 @@ def test_kernel_encoders_match_maps():
     n = jnp.asarray(n)
     bracket = _codebook.bucket_table(mapping, signed, inclusive=True)
     np.testing.assert_array_equal(
-        np.asarray(_math.encode_stochastic(n, u, bracket, bracket.entries,
+        np.asarray(_math.encode_stochastic(n, scaled_u, bracket, bracket.entries,
                                            _codebook.entry_gaps(as_spec(f"B128/{mapping}",
                                                                         signed=signed)),
                                            _gather_row)),

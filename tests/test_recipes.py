@@ -158,6 +158,21 @@ def test_hashed_uniform_of_a_block_equals_the_whole_tensor_slice():
   np.testing.assert_array_equal(whole[3:, 5:, 8:], np.asarray(block))
 
 
+def test_fold16_distributes_over_xor_and_flips_bit_0_for_odd_neighbours():
+  """What the kernels rely on to fold an element's index once for all its
+  seeds, and to derive an odd element's fold from its even neighbour's."""
+  rng = np.random.default_rng(7)
+  a, b = (rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+  fold = lambda x: np.asarray(maps.fold16(jnp.asarray(x, jnp.uint32)))
+  np.testing.assert_array_equal(fold(a ^ b), fold(a) ^ fold(b))
+  even = a & np.uint32(0xFFFFFFFE)
+  np.testing.assert_array_equal(fold(even + np.uint32(1)), fold(even) ^ np.uint32(1))
+  seed = maps.rounding_seed(jax.random.key(3))
+  np.testing.assert_array_equal(
+      np.asarray(maps.uniform_of_index(seed, jnp.asarray(a))),
+      (np.asarray(maps.mix32(jnp.asarray(a) ^ seed)) >> 8).astype(np.float32) * 2.0**-24)
+
+
 def test_row_hash_bases_index_the_whole_tensor():
   """Kernels draw for element c of row r of a shard at bases[r] + c."""
   full, origin, block = (6, 10, 12), (3, 5, 8), (3, 5, 4)

@@ -16,7 +16,8 @@ address and one load. Three kinds of table, each exact:
   is ``base + (x > threshold)`` (``>=`` for inclusive counts): the same
   comparison with the same float32 threshold as the reference's search, so
   flushing of subnormals (XLA's CPU backend) changes both alike.
-* ``entry_gaps``: ``(16, 3)`` float32, each entry, the distance to the
+* ``entry_gaps``: ``(16, 3)`` float32, each entry times ``-2**24`` (the
+  scale of stochastic rounding's draws, `_math.encode_stochastic`), the distance to the
   next one (``inf`` after the last, where stochastic rounding's probability
   is then 0) and that distance's correctly rounded reciprocal (0 for
   ``inf``), from which the kernels finish the division ``d / gap`` in two
@@ -58,12 +59,15 @@ def _entry_gaps(mapping: str, signed: bool) -> np.ndarray:
   assert np.all((finite >= np.finfo(np.float32).tiny) & (finite <= 1)), (mapping, gaps)
   with np.errstate(divide="ignore"):
     reciprocals = np.float32(1) / gaps  # IEEE float32 division: correctly rounded
-  return np.stack([table, gaps, reciprocals], axis=1).astype(np.float32)
+  # Times -2**24: exact (the entries are 0 or normal, at most 1), and negated so
+  # that the kernels' difference is one fused multiply-add without a negation.
+  scaled = table.astype(np.float32) * np.float32(-(2.0**24))
+  return np.stack([scaled, gaps, reciprocals], axis=1).astype(np.float32)
 
 
 def entry_gaps(spec: QuantSpec) -> np.ndarray:
-  """``(16, 3)`` float32: each table entry, the gap to the next one and the
-  gap's correctly rounded reciprocal."""
+  """``(16, 3)`` float32: each table entry times ``-2**24``, the gap to the
+  next entry and the gap's correctly rounded reciprocal."""
   return _entry_gaps(spec.mapping, spec.signed)
 
 

@@ -260,16 +260,24 @@ class _Tile:
     return tuple(combine(row_value, _load(scale_refs[1], c, v))
                  for c, v in zip(self.cols, self.valids))
 
-  def uniforms(self, seed, row_bases):
-    """Stochastic rounding's draws (even, odd): hashed flat element indices
-    ``row * D + column`` of the leaf (``row_bases[row] + column`` for a
-    shard)."""
+  def scaled_uniforms(self, seed, row_bases):
+    """Stochastic rounding's draws times 2**24 (even, odd): hashed flat
+    element indices ``row * D + column`` of the leaf (``row_bases[row] +
+    column`` for a shard)."""
     if row_bases is not None:
       row_index = _load(row_bases, self.row_1, self.valid_row)
     else:
       row_index = self.row_1.astype(jnp.uint32) * np.uint32(self.geo.cols % 2**32)
-    return tuple(maps.uniform_of_index(seed, row_index + c.astype(jnp.uint32))
-                 for c in self.cols)
+    # Folded once per element for all its moments' seeds (`maps.fold16`).
+    even = maps.fold16(row_index + self.cols[0].astype(jnp.uint32))
+    if row_bases is None and self.geo.cols % 2 == 0:
+      # Even rows start at even indices, so an odd element's index differs from
+      # its even neighbour's in bit 0 only, and so does its fold.
+      odd = even ^ np.uint32(1)
+    else:
+      odd = maps.fold16(row_index + self.cols[1].astype(jnp.uint32))
+    return tuple(maps.scaled_uniform_of_folded_index(folded, maps.fold16(seed))
+                 for folded in (even, odd))
 
   def segment_max(self, halves):
     """Per half, the `_math.finite_abs_key` keys of its elements (0's where
@@ -383,8 +391,8 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
     spec, tables = fmt.spec, refs.encode_tables[k]
     if spec.stochastic:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=True)
-      uniform = tile.uniforms(refs.seeds[k], refs.row_bases)
-      codes = [_math.encode_stochastic(n[h], uniform[h], bucket, *tables, _gather_row,
+      scaled_uniform = tile.scaled_uniforms(refs.seeds[k], refs.row_bases)
+      codes = [_math.encode_stochastic(n[h], scaled_uniform[h], bucket, *tables, _gather_row,
                                        kmath.probability) for h in range(2)]
     else:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=False)

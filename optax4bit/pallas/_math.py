@@ -76,7 +76,7 @@ class KernelMath:
         "fma.rn.f32 $0, r, e, q; }", a, b)
 
   def probability(self, d, gap, reciprocal):
-    """``d / gap`` for stochastic rounding's decision ``u < d / gap``, given
+    """``d / gap`` for stochastic rounding's decision (`encode_stochastic`), given
     ``reciprocal``, the correctly rounded ``1 / gap`` (a table column). On the
     GPU the quotient ``q = d * reciprocal`` is corrected once by its exact
     remainder (``fma(reciprocal, fma(-gap, q, d), q)``, the last steps of
@@ -172,20 +172,38 @@ def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_row: G
   return count_below(_nan_as_zero(n), bucket, table, gather_row)
 
 
-def encode_stochastic(n, uniform, bucket: BucketTable, table, gaps, gather_row: GatherRow,
-                      probability=lambda d, gap, reciprocal: d / gap):
-  """`maps.encode_stochastic` (int32 codes) of ``n``, NaN coded as 0's code.
+# Stochastic rounding decides ``u < d / gap`` as ``u * 2**24 < (d * 2**24) / gap``:
+# the draw is then the integer-valued float that `maps.hashed_uniform` scales
+# by 2**-24 (one multiply per draw fewer), and the scale rides on the
+# difference for free: `_codebook.entry_gaps` holds the entries times -2**24.
+DRAW_SCALE = np.float32(2.0**24)
+
+
+def encode_stochastic(n, scaled_uniform, bucket: BucketTable, table, gaps,
+                      gather_row: GatherRow, probability=lambda d, gap, reciprocal: d / gap):
+  """`maps.encode_stochastic` (int32 codes) of ``n`` and the draws ``u``
+  given as ``scaled_uniform = u * 2**24`` (`maps.scaled_uniform_of_folded_index`),
+  NaN coded as 0's code.
 
   ``lower`` is the largest entry ``<= n`` (0 below the first); the gap after
   the last entry is ``inf``, so that there, and below the first entry, the
   probability is 0, NaN or negative without the reference's clip: the same
   codes. ``probability(d, gap, reciprocal)``: ``d / gap``
   (`KernelMath.probability`); ``gaps``: `_codebook.entry_gaps`.
+
+  The decision ``u * 2**24 < (n * 2**24 - entry * 2**24) / gap`` is the
+  reference's ``u < (n - entry) / gap``: scaling by a power of two commutes
+  with rounding, ``n * 2**24`` is exact, and where ``(n - entry) / gap``
+  would be subnormal (``n - entry`` subnormal, every entry being 0 or far
+  above 2**-126), only ``u = 0`` can decide, and both sides are positive
+  exactly when ``n > entry``.
   """
   n = _nan_as_zero(n)
   lower = count_below(n, bucket, table, gather_row)
-  low_value, gap, reciprocal = gather_row(gaps, lower)
-  return lower + (uniform < probability(n - low_value, gap, reciprocal)).astype(jnp.int32)
+  negated_scaled_low_value, gap, reciprocal = gather_row(gaps, lower)
+  scaled_difference = n * DRAW_SCALE + negated_scaled_low_value
+  return lower + (scaled_uniform < probability(scaled_difference, gap, reciprocal)).astype(
+      jnp.int32)
 
 
 # The key of |x| = 0 (`finite_abs_key`).

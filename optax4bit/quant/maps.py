@@ -259,10 +259,20 @@ def decode(codes: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array
 _MIX_MULTIPLIERS = (np.uint32(0x21F0AAAD), np.uint32(0x735A2D97))
 
 
+def fold16(x: jax.Array) -> jax.Array:
+  """``x ^ (x >> 16)`` of uint32 ``x``, the first step of `mix32`. It
+  distributes over xor (``fold16(a ^ b) == fold16(a) ^ fold16(b)``), so a
+  kernel folds an element's index once for every seed it is hashed with."""
+  return x ^ (x >> np.uint32(16))
+
+
 def mix32(x: jax.Array) -> jax.Array:
   """A bijective avalanche mix of uint32 values (C. Wellons' ``lowbias32``
   triple with the constants of his hash-prospector search)."""
-  x = x ^ (x >> np.uint32(16))
+  return _mix32_after_fold(fold16(x))
+
+
+def _mix32_after_fold(x: jax.Array) -> jax.Array:
   x = x * _MIX_MULTIPLIERS[0]
   x = x ^ (x >> np.uint32(15))
   x = x * _MIX_MULTIPLIERS[1]
@@ -325,5 +335,13 @@ def uniform_of_index(seed: jax.Array, index: jax.Array) -> jax.Array:
   """The U[0, 1) float32 draw of uint32 flat element ``index`` under uint32
   ``seed``: ``(mix32(index ^ seed) >> 8) / 2**24`` (`hashed_uniform` of one
   element; kernels compute the index themselves)."""
-  bits = mix32(index ^ seed)
-  return (bits >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+  return scaled_uniform_of_folded_index(fold16(index), fold16(seed)) * np.float32(2.0**-24)
+
+
+def scaled_uniform_of_folded_index(folded_index: jax.Array,
+                                   folded_seed: jax.Array) -> jax.Array:
+  """`uniform_of_index` times 2**24 (an integer below 2**24, exact in
+  float32) from the `fold16` of the index and of the seed: kernels fold an
+  index once for all its seeds, and compare the draw with a probability
+  scaled alike."""
+  return (_mix32_after_fold(folded_index ^ folded_seed) >> np.uint32(8)).astype(jnp.float32)
