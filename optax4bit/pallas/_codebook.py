@@ -13,7 +13,8 @@ address and one load. Three kinds of table, each exact:
   a bucket, an interval of floats; ``m`` is the smallest with at most one
   threshold inside any bucket. A bucket stores that threshold (NaN if none:
   no comparison with NaN holds) and the count at its low end, so the count
-  is ``base + (x > threshold)`` (``>=`` for inclusive counts): the same
+  is ``base + (x > threshold)`` (``>=`` for inclusive counts; a quiet NaN
+  ``x`` counts as 0 does, so that the encoders need no select): the same
   comparison with the same float32 threshold as the reference's search, so
   flushing of subnormals (XLA's CPU backend) changes both alike.
 * ``entry_gaps``: ``(16, 3)`` float32, each entry times ``-2**24`` (the
@@ -114,15 +115,19 @@ def _build(thresholds: np.ndarray, inclusive: bool, floor: np.float32, mantissa:
   threshold[jumps] = thresholds[base[jumps]]
   table = np.zeros((2 * per_sign, 2), np.int32)
   nonfinite = np.full(per_sign - finite, np.nan, np.float32)
+  zero_count = count(np.float32([0.0]))[0]
   for sign in range(2):
     rows = slice(sign * per_sign, sign * per_sign + finite)
     table[rows, 0] = threshold[sign * finite:(sign + 1) * finite].view(np.int32)
     table[rows, 1] = base[sign * finite:(sign + 1) * finite]
-    # +-inf (NaN never reaches a lookup): the count at that end, no threshold.
-    infinity = np.float32(-np.inf if sign else np.inf)
-    rest = slice(sign * per_sign + finite, (sign + 1) * per_sign)
-    table[rest, 0] = nonfinite.view(np.int32)
-    table[rest, 1] = count(np.array([infinity]))[0]
+    # Exponent 255, no threshold: the first bucket holds +-inf (mantissa 0),
+    # which counts as that end; the others only NaNs, which count as 0 does
+    # (the reference codes NaN as 0). Every quiet NaN, and so every NaN that
+    # arithmetic makes, has the top mantissa bit set: never inf's bucket.
+    start = sign * per_sign + finite
+    table[start:(sign + 1) * per_sign, 0] = nonfinite.view(np.int32)
+    table[start, 1] = count(np.float32([-np.inf if sign else np.inf]))[0]
+    table[start + 1:(sign + 1) * per_sign, 1] = zero_count
   return table
 
 
@@ -133,6 +138,9 @@ def bucket_table(mapping: str, signed: bool, inclusive: bool) -> BucketTable:
   (the lower entry of stochastic rounding's bracket, `maps.bracket` of the
   clipped value)."""
   entries = maps.qmap(mapping, 4, signed)
+  # Stochastic rounding never rounds 0 up only where 0 is an entry or below
+  # the first: then a NaN, which never rounds up, can take 0's lookup.
+  assert 0 in entries or entries[0] > 0, (mapping, signed)
   if inclusive:  # the reference clips to the first entry first
     thresholds, floor = entries[1:], entries[0]
   else:

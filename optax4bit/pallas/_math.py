@@ -142,7 +142,8 @@ def decode_bytes(packed, pairs, gather_row: GatherRow):
 
 def count_below(x, bucket: BucketTable, table, gather_row: GatherRow):
   """`maps.count_above` of ``bucket``'s thresholds (``>=`` if inclusive) at
-  float32 ``x`` (not NaN), by the bucket of ``x``'s bits."""
+  float32 ``x``, by the bucket of ``x``'s bits; a quiet NaN (every NaN that
+  arithmetic makes) counts as 0 does."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   index = jax.lax.shift_right_logical(bits, np.uint32(bucket.shift)).astype(jnp.int32)
   threshold_bits, base = gather_row(table, index)
@@ -153,7 +154,8 @@ def count_below(x, bucket: BucketTable, table, gather_row: GatherRow):
 
 def normalized(x, inverse_times_4):
   """`normalize.normalize`'s value of ``x`` given ``4 / scale``, before its
-  NaN-as-0: the encoders code NaN as 0 themselves, each the cheapest way."""
+  NaN-as-0: the encoders code NaN as 0 themselves, each the cheapest way.
+  A NaN here is a product's, so quiet (what `count_below` needs)."""
   return (x * inverse_times_4) * np.float32(0.25)
 
 
@@ -164,12 +166,12 @@ def _nan_as_zero(n):
 def encode_nearest(n, spec: QuantSpec, bucket: BucketTable, table, gather_row: GatherRow,
                    kmath: KernelMath):
   """`maps.encode_nearest` (int32 codes) of `normalize.normalize`'s value,
-  NaN coded as 0's code (the Linear code does so in its conversion, the
-  bucket lookup needs ``n`` not NaN). The Linear code ignores ``signed``, as
-  the reference's does."""
+  a quiet NaN coded as 0's code (by the Linear code's conversion, or by the
+  bucket lookup). The Linear code ignores ``signed``, as the reference's
+  does."""
   if spec.mapping == "Linear":
     return kmath.linear_code(n, spec.bits)
-  return count_below(_nan_as_zero(n), bucket, table, gather_row)
+  return count_below(n, bucket, table, gather_row)
 
 
 # Stochastic rounding decides ``u < d / gap`` as ``u * 2**24 < (d * 2**24) / gap``:
@@ -183,7 +185,9 @@ def encode_stochastic(n, scaled_uniform, bucket: BucketTable, table, gaps,
                       gather_row: GatherRow, probability=lambda d, gap, reciprocal: d / gap):
   """`maps.encode_stochastic` (int32 codes) of ``n`` and the draws ``u``
   given as ``scaled_uniform = u * 2**24`` (`maps.scaled_uniform_of_folded_index`),
-  NaN coded as 0's code.
+  a quiet NaN coded as 0's code: its lookup gives 0's ``lower``, and its
+  probability is NaN, so it never rounds up, as 0 does not (0 is an entry
+  of every map or below its first, `_codebook.bucket_table`).
 
   ``lower`` is the largest entry ``<= n`` (0 below the first); the gap after
   the last entry is ``inf``, so that there, and below the first entry, the
@@ -198,7 +202,6 @@ def encode_stochastic(n, scaled_uniform, bucket: BucketTable, table, gaps,
   above 2**-126), only ``u = 0`` can decide, and both sides are positive
   exactly when ``n > entry``.
   """
-  n = _nan_as_zero(n)
   lower = count_below(n, bucket, table, gather_row)
   negated_scaled_low_value, gap, reciprocal = gather_row(gaps, lower)
   scaled_difference = n * DRAW_SCALE + negated_scaled_low_value
