@@ -28,7 +28,9 @@ from __future__ import annotations
 import doctest
 import functools
 import logging
+import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -444,3 +446,24 @@ def test_optimizer_update_lowers_for_cuda(name, dtype):
     paper = PAPER[name]()
     assert _triton_calls(exported) == _triton_calls(
         export_cuda(paper.update, params, paper.init(params), params))
+
+
+def test_update_in_place_off_gives_the_same_step_without_aliasing_the_gradient():
+  """``PallasConfig(update_in_place=False)``: the same update and state, and
+  the step kernel's update (its output 0) no longer aliases an operand, so
+  that an update jitted alone need not copy its gradients."""
+  params = {"w": jax.random.normal(jax.random.key(0), (64, 256), jnp.float32)}
+  grads = {"w": jax.random.normal(jax.random.key(1), (64, 256), jnp.float32)}
+  results = {}
+  for in_place in (True, False):
+    config = PallasConfig(interpret=True, tile_bytes=64, update_in_place=in_place)
+    tx = optax4bit.adamw_4bit(1e-3, implementation=config, min_quantize_size=0)
+    results[in_place] = jax.jit(tx.update)(grads, tx.init(params), params)
+    compiled = optax4bit.adamw_4bit(1e-3, implementation=PallasConfig(update_in_place=in_place),
+                                    min_quantize_size=0)
+    module = export_cuda(compiled.update, grads, compiled.init(params), params).mlir_module()
+    aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d+)\]", module)
+    assert aliases and ("0" in aliases) == in_place, aliases
+  chex.assert_trees_all_equal(results[True], results[False])
+  with pytest.raises(ValueError, match="update_in_place must be a bool"):
+    PallasConfig(update_in_place=1)

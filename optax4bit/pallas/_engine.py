@@ -31,12 +31,14 @@ How a quantized moment is normalized decides when it can be encoded:
 
 Then the step pass runs the step again and writes the update and every new
 moment, each over the input it replaces (``input_output_aliases``: the
-update over the gradient when their dtypes match, the codes and block scales
-over the old ones; a program reads its tile before it writes it). With the
-gradient and the state donated, the step then needs no leaf-sized
-temporary; the update written into a fresh buffer while the gradient stays
-alive for a second pass would be one, which XLA:GPU does not schedule one
-leaf at a time. The stats pass reads only the old moments of the global
+update over the gradient when their dtypes match, unless
+``Options.update_in_place`` is off, the codes and block scales over the old
+ones; a program reads its tile before it writes it). Where the gradient is
+an intermediate (a train step) the step then needs no leaf-sized temporary;
+the update written into a fresh buffer while the gradient stays alive for a
+second pass would be one, which XLA:GPU does not schedule one leaf at a
+time. A jit argument, donated or not, is writable only where it aliases an
+output, so an update jitted alone copies each gradient first. The stats pass reads only the old moments of the global
 moments (it sees the others as zeros), so a global moment may depend only on
 the dense inputs, the side inputs, the coefficients and its *own* old value.
 Every optimizer of this package satisfies that.
@@ -430,10 +432,12 @@ def _call(plan: _Plan, fn, stats_pass: bool, inputs: list, out_shapes: list, ali
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """Static options of a kernel launch (``tile_bytes`` None: the default)."""
+  """Static options of a kernel launch (``tile_bytes`` None: the default;
+  ``update_in_place``: dense outputs over the dense inputs of their dtype)."""
   interpret: bool = False
   tile_bytes: Optional[int] = DEFAULT_TILE_BYTES
   num_warps: int = DEFAULT_NUM_WARPS
+  update_in_place: bool = True
 
 
 def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
@@ -554,7 +558,7 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
   inputs += tables(plan.old_read, True)
   out_shapes, aliases = [], {}
   for k, dtype in enumerate(plan.dense_out):
-    if k < len(dense_in) and jnp.dtype(dense_in[k].dtype) == dtype:
+    if options.update_in_place and k < len(dense_in) and jnp.dtype(dense_in[k].dtype) == dtype:
       aliases[len(head) - len(dense_in) + k] = len(out_shapes)
     out_shapes.append(jax.ShapeDtypeStruct((geo.rows, geo.cols), dtype))
   for fmt, a in zip(new_fmts, alias):
