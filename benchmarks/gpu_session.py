@@ -111,6 +111,17 @@ class Optimizer:
   steps: Optional[tuple] = None
 
 
+def _not_in_place(implementation: str):
+  """``implementation`` with the Pallas update in a fresh buffer
+  (`optax4bit.pallas.PallasConfig.update_in_place`)."""
+  if implementation == "auto" and not optax4bit.pallas.steps.kernels_run_here():
+    return implementation  # the CPU's kernel (the smoke run)
+  if implementation in ("auto", "pallas", "pallas_interpret"):
+    return optax4bit.pallas.PallasConfig(interpret=implementation == "pallas_interpret",
+                                         update_in_place=False)
+  return implementation
+
+
 BASELINES = {
     "optax.adamw": Optimizer(lambda impl: optax.adamw(LR)),
     "optax.sgd(momentum)": Optimizer(lambda impl: optax.sgd(LR, momentum=0.9)),
@@ -134,6 +145,12 @@ CANDIDATES = {
     "adamw_4bit jnp engine, two chunks per leaf": Optimizer(
         lambda impl: optax4bit.adamw_4bit(LR, implementation="jnp", chunk_size=2**30),
         sizes=("100M", SMOKE_SIZE), steps=("update",)),
+    # The update written into a fresh buffer, not over the gradient: jitted
+    # alone, the in-place update makes XLA copy every gradient first (a jit
+    # argument is writable only where it aliases an output).
+    "adamw_4bit update not in place": Optimizer(
+        lambda impl: optax4bit.adamw_4bit(LR, implementation=_not_in_place(impl)), tier=2,
+        sizes=("1B", SMOKE_SIZE), steps=("update",)),
     # The presets wrap optax through quantize_state: "auto" or "jnp" only.
     "lion_4bit": Optimizer(lambda impl: optax4bit.lion_4bit(LR), tier=2),
     "ademamix_4bit": Optimizer(lambda impl: optax4bit.ademamix_4bit(LR), tier=2),

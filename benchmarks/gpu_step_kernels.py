@@ -1,13 +1,17 @@
-"""What `gpu_step.py`'s jitted, donated update compiles to on a GPU: kernels, copies, loops.
+"""What the GPU session's jitted steps compile to on a GPU: kernels, copies, loops, temp bytes.
 
 Compile-only. Counts, in the compiled step's entry computation, the Triton
 (Pallas) kernels, XLA fusions, copies and while loops, with the copies grouped
-by shape. Run it on a GPU, or on a machine without one with ``--gpu-target``
-(XLA's deviceless compile; see ``benchmarks/offload_memory.py`` for the
-plugin it needs):
+by shape, and XLA's temp bytes, in the two settings of
+``benchmarks/gpu_session.py`` (``--steps``): ``update``, the update alone with
+params, state and gradients donated (``gpu_step.py``'s), and ``train``, the
+gradients from ``jax.grad`` of the session's transformer loss, params and
+state donated. Run it on a GPU, or on a machine without one with
+``--gpu-target`` (XLA's deviceless compile; see ``benchmarks/offload_memory.py``
+for the plugin it needs):
 
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/gpu_step_kernels.py \\
-        --gpu-target benchmarks/gpu_target_h100.txtpb
+        --gpu-target benchmarks/gpu_target_h100.txtpb --steps update train
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_session  # noqa: E402  (gpt_loss)
 import gpu_step  # noqa: E402  (SIZES, gpt_shapes, _is_shape)
 import offload_memory  # noqa: E402  (gpu_target_device, _abstract)
 
@@ -34,6 +39,8 @@ OPTIMIZERS = {
     "adamw_4bit paper recipe": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
                                                             implementation="pallas"),
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="pallas"),
+    "adamw_4bit update not in place": lambda: optax4bit.adamw_4bit(
+        1e-3, implementation=optax4bit.pallas.PallasConfig(update_in_place=False)),
 }
 
 
@@ -72,6 +79,9 @@ def main(argv=None):
                       choices=list(OPTIMIZERS))
   parser.add_argument("--gpu-target", metavar="TXTPB",
                       help="compile for this GpuTargetConfigProto text, without a GPU")
+  parser.add_argument("--steps", nargs="+", default=["update"], choices=["update", "train"])
+  parser.add_argument("--batch", type=int, default=4, help="train: sequences per step")
+  parser.add_argument("--seq", type=int, default=256, help="train: tokens per sequence")
   args = parser.parse_args(argv)
   device = (offload_memory.gpu_target_device(args.gpu_target) if args.gpu_target
             else jax.devices()[0])
@@ -81,18 +91,30 @@ def main(argv=None):
       treedef.unflatten([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]), "device",
       device)
   print(f"jax {jax.__version__}, compiled for {device.device_kind}, {args.size} float32 "
-        f"params, params, state and gradients donated as in gpu_step.py")
-  for name in args.optimizers:
-    tx = OPTIMIZERS[name]()
-    state = offload_memory._abstract(  # pylint: disable=protected-access
-        jax.eval_shape(tx.init, params), "device", device)
-
-    def step(params, state, grads, tx=tx):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, params).compile()
-    print(f"{name}: {entry_counts(compiled.as_text())}", flush=True)
+        f"params; update: params, state and gradients donated as in gpu_step.py; train: "
+        f"{args.batch} x {args.seq} tokens, params and state donated")
+  tokens = offload_memory._abstract(  # pylint: disable=protected-access
+      jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32), "device", device)
+  for step_kind in args.steps:
+    for name in args.optimizers:
+      tx = OPTIMIZERS[name]()
+      state = offload_memory._abstract(  # pylint: disable=protected-access
+          jax.eval_shape(tx.init, params), "device", device)
+      if step_kind == "update":
+        def step(params, state, grads, tx=tx):
+          updates, state = tx.update(grads, state, params)
+          return optax.apply_updates(params, updates), state
+        lowered = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, params)
+      else:
+        def step(params, state, tokens, tx=tx):
+          grads = jax.grad(gpu_session.gpt_loss)(params, tokens)
+          updates, state = tx.update(grads, state, params)
+          return optax.apply_updates(params, updates), state
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, tokens)
+      compiled = lowered.compile()
+      counts = entry_counts(compiled.as_text())
+      counts["temp MiB"] = round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)
+      print(f"{step_kind} {name}: {counts}", flush=True)
 
 
 if __name__ == "__main__":
