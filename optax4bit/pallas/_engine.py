@@ -413,21 +413,31 @@ _COMPILED_FOR_CPU_ERROR = (
 
 def _call(plan: _Plan, fn, stats_pass: bool, inputs: list, out_shapes: list, aliases: dict,
           options: "Options"):
-  kernel = functools.partial(_stats_kernel if stats_pass else _step_kernel, plan, fn,
-                             not options.interpret)
-  pl, plgpu = _pallas()
   if not options.interpret:
     inputs = [compiled_only_for(inputs[0], ("cuda", "rocm"), _COMPILED_FOR_CPU_ERROR),
               *inputs[1:]]
-  return pl.pallas_call(
+  return _launcher(plan, fn, stats_pass, tuple(out_shapes), tuple(sorted(aliases.items())),
+                   options)(*inputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _launcher(plan: _Plan, fn, stats_pass: bool, out_shapes: tuple, aliases: tuple,
+              options: "Options"):
+  """The jitted `pallas_call` of a pass, one per plan: identical leaves then
+  share one traced and lowered kernel (JAX lowers a nested jit once per
+  jaxpr), where each call of a fresh `pallas_call` traced and lowered its own."""
+  kernel = functools.partial(_stats_kernel if stats_pass else _step_kernel, plan, fn,
+                             not options.interpret)
+  pl, plgpu = _pallas()
+  return jax.jit(pl.pallas_call(
       kernel,
-      out_shape=out_shapes,
+      out_shape=list(out_shapes),
       grid=plan.geo.grid,
-      input_output_aliases=aliases,
+      input_output_aliases=dict(aliases),
       compiler_params=plgpu.CompilerParams(num_warps=options.num_warps, num_stages=1),
       interpret=options.interpret,
       name=f"optax4bit_{'stats' if stats_pass else 'step'}",
-  )(*inputs)
+  ))
 
 
 @dataclasses.dataclass(frozen=True)
