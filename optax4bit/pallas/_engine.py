@@ -38,7 +38,9 @@ an intermediate (a train step) the step then needs no leaf-sized temporary;
 the update written into a fresh buffer while the gradient stays alive for a
 second pass would be one, which XLA:GPU does not schedule one leaf at a
 time. A jit argument, donated or not, is writable only where it aliases an
-output, so an update jitted alone copies each gradient first. The stats pass reads only the old moments of the global
+output, so an update jitted alone copies each gradient first.
+
+The stats pass reads only the old moments of the global
 moments (it sees the others as zeros), so a global moment may depend only on
 the dense inputs, the side inputs, the coefficients and its *own* old value.
 Every optimizer of this package satisfies that.
@@ -61,7 +63,9 @@ are approximate (`_math.KernelMath`). Where the tiles cover the leaf exactly
 (`Geometry.exact`), the kernels carry no masks.
 
 The two passes are `_stats_kernel` and `_step_kernel`, over the refs of
-`_Refs` (named by what they hold) and the indices of one program's `_Tile`.
+`_Refs` (named by what they hold) and the indices of one program's `_Tile`,
+each launched through a `jax.jit` of its `pallas_call` cached per plan
+(`_launcher`), so that leaves of one shape share one lowered kernel.
 """
 
 from __future__ import annotations
