@@ -282,8 +282,8 @@ class _Tile:
       odd = even ^ np.uint32(1)
     else:
       odd = maps.fold16(row_index + self.cols[1].astype(jnp.uint32))
-    return tuple(maps.scaled_uniform_of_folded_index(folded, maps.fold16(seed))
-                 for folded in (even, odd))
+    folded_seed = maps.fold16(seed)
+    return tuple(maps.scaled_uniform_of_folded_index(folded, folded_seed) for folded in (even, odd))
 
   def segment_max(self, halves):
     """Per half, the `_math.finite_abs_key` keys of its elements (0's where
