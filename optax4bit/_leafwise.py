@@ -216,7 +216,8 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
     sums_fn: ``g -> (row_stats, total_stats)`` on a float32 block of rows:
       ``row_stats`` keep the block's rows on axis 0, ``total_stats`` are sums
       that add up over blocks (e.g. Adafactor's column sums of ``g**2``).
-    chunk_size: elements per chunk, as in `update_leaf`.
+    chunk_size: elements per chunk, as in `update_leaf`; None: the whole
+      leaf at once (the XLA engine's).
     context: the leaf's `LeafContext`.
 
   Returns:
@@ -226,11 +227,12 @@ def grad_sums(grad: jax.Array, sums_fn: Callable, chunk_size: int = DEFAULT_CHUN
     copy it first).
   """
   num_rows = grad.shape[0] if grad.ndim else 1
-  # At least two chunks, for the same reason as in `update_leaf`.
-  rows = min(max(1, chunk_size // max(math.prod(grad.shape[1:]), 1)), -(-num_rows // 2))
-  if grad.ndim == 0 or num_rows < 2 or _placement.may_be_split(grad):  # whole-leaf sums
+  if (chunk_size is None or grad.ndim == 0 or num_rows < 2
+      or _placement.may_be_split(grad)):  # whole-leaf sums
     row_stats, totals = sums_fn(grad.astype(jnp.float32))
     return grad, row_stats, totals
+  # At least two chunks, for the same reason as in `update_leaf`.
+  rows = min(max(1, chunk_size // max(math.prod(grad.shape[1:]), 1)), -(-num_rows // 2))
   offset = context.row_offset
   num_chunks = -(-num_rows // rows)
   row_shape = grad.shape[1:]

@@ -170,6 +170,15 @@ class FusedStep(NamedTuple):
   def nesterov(self) -> bool:
     return self.kind.endswith("_nesterov")
 
+  def elementwise(self):
+    """The elementwise step (`adam_step`, `factored_step` or `momentum_step`)
+    of ``kind``, for a backend that runs the step as XLA ops."""
+    if self.kind.startswith("momentum"):
+      return momentum_step(self.momentum, self.nesterov)
+    if self.kind == "factored":
+      return factored_step(self.b1, self.b2, self.eps, self.eps_root, self.count_inc)
+    return adam_step(self.b1, self.b2, self.eps, self.eps_root, self.count_inc, self.nesterov)
+
   def coefficients(self) -> jax.Array:
     """The float32 coefficient vector the kernels of ``kind`` take."""
     if self.kind.startswith("momentum"):

@@ -3,15 +3,18 @@ reference, leaf by leaf.
 
 Every optimizer of the library takes ``implementation=``:
 
-* ``"auto"`` (default): the Pallas kernels on a CUDA GPU (the default
-  device's platform, ``jax.default_backend()`` unless ``jax.default_device``
-  names another; not ROCm); on the CPU the
+* ``"auto"`` (default): the Pallas kernels on a CUDA GPU where they compile
+  (the default device's platform, ``jax.default_backend()`` unless
+  ``jax.default_device`` names another; not ROCm); the XLA engine on a TPU
+  and on any other GPU; on the CPU the
   compiled C++ kernels of `optax4bit.cpu` where they are installed and faster
   than the jnp path (their AVX-512 and AVX2 builds; 4-bit AdamW, AdamW with a
   factored second moment, SGD with momentum and `adamw_8bit`; everything else
   runs the jnp engine, with the kernel's 4-bit codecs); the jnp reference
   elsewhere.
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
+* ``"xla"``: the XLA engine (`optax4bit.xla`): every leaf in one piece, no
+  loop, no gather, any platform; the jnp reference's codes.
 * ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
   construction if it is not installed, and a `ValueError` naming
   ``implementation`` where the update is compiled for a GPU
@@ -51,6 +54,8 @@ from optax4bit.cpu import codec as _cpu_codec
 from optax4bit.cpu import ffi as _cpu_ffi
 from optax4bit.pallas import steps as _pallas_steps
 from optax4bit.pallas.steps import PallasConfig
+from optax4bit.xla import codec as _xla_codec
+from optax4bit.xla import steps as _xla_steps
 
 __all__ = ["IMPLEMENTATIONS", "Backend", "FusedSteps", "Implementation", "check_implementation",
            "codecs", "fused_steps", "resolve"]
@@ -69,10 +74,17 @@ class FusedSteps(Protocol):
 
 class Backend(NamedTuple):
   """What runs an update: ``steps``, the fused steps (None: the jnp engine
-  runs every leaf), and ``codecs``, the 4-bit codecs the jnp engine runs in
-  place of its own (None: the jnp codecs)."""
+  runs every leaf), ``codecs``, the 4-bit codecs the jnp engine runs in
+  place of its own (None: the jnp codecs), and ``whole_leaves``: whether
+  reductions ahead of the steps (4-bit Factor's row and column sums) run on
+  whole leaves rather than in chunks of rows."""
   steps: Optional[FusedSteps] = None
   codecs: Optional[Codecs] = None
+  whole_leaves: bool = False
+
+
+def _xla_backend() -> Backend:
+  return Backend(_xla_steps.XlaSteps(), _xla_codec, whole_leaves=True)
 
 
 def _invalid(implementation) -> ValueError:
@@ -115,7 +127,9 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
   Example:
     >>> from optax4bit import dispatch
     >>> dispatch.resolve("jnp")
-    Backend(steps=None, codecs=None)
+    Backend(steps=None, codecs=None, whole_leaves=False)
+    >>> dispatch.resolve("xla").whole_leaves
+    True
     >>> dispatch.resolve("pallas_interpret").steps.options.interpret
     True
   """
@@ -126,6 +140,8 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
     return Backend(_pallas_steps.PallasSteps(config.options))
   if implementation == "cpu":
     return Backend(_cpu_ffi.CpuSteps(), _cpu_codec if _cpu_codec.registered() else None)
+  if implementation == "xla":
+    return _xla_backend()
   if implementation == "auto":
     platform = default_platform() if platform is None else platform
     if platform == "cpu":
@@ -133,6 +149,8 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
                      _cpu_codec if _cpu_codec.available() else None)
     if platform == "gpu" and _pallas_steps.kernels_run_here():
       return Backend(_pallas_steps.PallasSteps(PallasConfig().options))
+    if platform in ("gpu", "tpu"):
+      return _xla_backend()
     return Backend()
   if implementation == "jnp":
     return Backend()

@@ -413,7 +413,7 @@ def scale_by_factored_adam_4bit(
         out = fused and fused.run(fused_adam, g, (m, v), (), k, context=context)
         return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk,
                                             context=context)
-      g, v = _factored_second_moment(g, v, b2, chunk, context)
+      g, v = _factored_second_moment(g, v, b2, None if backend.whole_leaves else chunk, context)
       side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
       out = fused and fused.run(fused_factored, g, (m,), side, k[:1], context=context)
       update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
