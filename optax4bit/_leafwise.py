@@ -58,14 +58,14 @@ def decode_moment(moment, context: LeafContext) -> jax.Array:
   return moment.astype(compute_dtype(moment))
 
 
-def encode_moment(value: jax.Array, like, context: LeafContext, key=None):
+def encode_moment(value: jax.Array, like, context: LeafContext, key=None, scales=None):
   """Stores float32 ``value`` the way ``like`` (the old moment) is stored (in
-  a shard, rank-1 and tensor scales are the global leaf's)."""
+  a shard, rank-1 and tensor scales are the global leaf's), under ``scales``
+  where given (those of ``value``, computed beforehand)."""
   if not isinstance(like, QuantizedArray):
     return value.astype(like.dtype)
   layout = like.layout
-  scales = None
-  if layout.normalization != "block":  # block maxima never span shards
+  if scales is None and layout.normalization != "block":  # block maxima never span shards
     scales = normalize.compute_scales(normalize.finite_abs(value), layout)
     if context.shard is not None:
       scales = context.shard.reduce_scales(scales, layout)
@@ -114,7 +114,7 @@ def _take_rows(x, start, rows, factor):
   return jax.lax.dynamic_slice_in_dim(x, start // factor, -(-rows // factor), axis=0)
 
 
-def _cast(x, dtype):
+def cast(x, dtype):
   """``x`` as ``dtype``; a complex ``x`` into a real ``dtype`` by its real part
   (a complex ``mu_dtype`` on real parameters: the imaginary part is 0)."""
   if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
@@ -123,7 +123,7 @@ def _cast(x, dtype):
 
 
 def _put_rows(x, chunk, start, factor):
-  return jax.lax.dynamic_update_slice_in_dim(x, _cast(chunk, x.dtype), start // factor, axis=0)
+  return jax.lax.dynamic_update_slice_in_dim(x, cast(chunk, x.dtype), start // factor, axis=0)
 
 
 def _chunk_side(side: tuple, num_rows: int, start, rows) -> tuple:
@@ -193,7 +193,7 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
     old = tuple(decode_moment(m, context) for m in moments)
     update, new = _materialized(step_fn(grad.astype(compute_dtype(grad)), old, side))
     new_moments = tuple(encode_moment(v, m, context, k) for v, m, k in zip(new, moments, keys))
-    return _cast(update, grad.dtype), new_moments
+    return cast(update, grad.dtype), new_moments
   if grad.ndim == 1 and grad.dtype != compute_dtype(grad):
     # A bf16/f16 vector enters the loop as float32 (a copy; vectors are small).
     # Converted inside it, the conversion is fused into the step, which makes
@@ -203,7 +203,7 @@ def update_leaf(step_fn: StepFn, grad: jax.Array, moments: tuple, side: tuple = 
     # the contraction of the jnp engine and the C++ kernel, ``fma(a, g, b * m)``.
     update, new_moments = _update_leaf_chunked(step_fn, grad.astype(compute_dtype(grad)),
                                                moments, side, keys, plans, rows, context)
-    return _cast(update, grad.dtype), new_moments
+    return cast(update, grad.dtype), new_moments
   return _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, context)
 
 
@@ -454,7 +454,7 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
                                            start, chunk_scales)
       local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
       out.append((codes, local))
-    return _cast(update, update_dtype), tuple(out)
+    return cast(update, update_dtype), tuple(out)
 
   def keep_written_rows(results, stored, c):
     """The overlapping last chunk reads rows the chunk before it has already

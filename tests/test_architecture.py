@@ -223,7 +223,8 @@ def test_the_public_api_is_the_top_layer_and_nothing_below_imports_it(layers):
   for public in ("__init__", "alias", "transform", "wrappers", "sharding", "recipes"):
     assert public in top
   assert not [p for _, patterns in layers[1:] for p in patterns
-              if not p.startswith("_") and p not in ("dispatch", "pallas/", "cpu/", "xla/", "quant/")]
+              if not p.startswith("_")
+              and p not in ("dispatch", "pallas/", "cpu/", "xla/", "quant/")]
 
 
 def test_the_checks_catch_a_bad_import(layers, tmp_path):

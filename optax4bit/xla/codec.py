@@ -1,7 +1,8 @@
 """The XLA engine's codecs: `optax4bit.quant.array`'s, with 8-bit tables
 searched and decoded by trees of selects instead of gathers (on a TPU a
 gather from a 256-entry table is a slow op; `optax4bit.quant.maps`), and 4-bit
-codes unpacked by ops that fuse with the step (`optax4bit.quant.packing`).
+codes unpacked by ops that fuse with the step (`optax4bit.quant.packing`):
+``fusible=True``.
 Codes are bit for bit those of the jnp reference: the same compares against
 the same thresholds, the same stochastic rounding hash, the same bytes."""
 
@@ -12,7 +13,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from optax4bit.quant import maps, normalize, packing
+from optax4bit.quant import array as qarray
+from optax4bit.quant import maps, normalize
 from optax4bit.quant.spec import QuantSpec
 
 __all__ = ["decode", "encode"]
@@ -20,10 +22,8 @@ __all__ = ["decode", "encode"]
 
 def decode(codes, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
            shape: tuple) -> jax.Array:
-  """`optax4bit.quant.array.decode` without a gather."""
-  values = maps.decode(packing.unpack_fusible(codes, shape[-1], spec.bits), spec.mapping,
-                       spec.bits, spec.signed, gather_free=True)
-  return values * normalize.expand_scales(scales, layout, shape)
+  """`optax4bit.quant.array.decode`, fusible."""
+  return qarray.decode(codes, scales, spec, layout, shape, fusible=True)
 
 
 def encode(value: jax.Array, spec: QuantSpec, layout: normalize.Layout,
@@ -37,14 +37,7 @@ def encode(value: jax.Array, spec: QuantSpec, layout: normalize.Layout,
     scales = normalize.compute_scales(normalize.finite_abs(value), layout)
   uniform = None
   if spec.stochastic:
-    shape = value.shape
-    bases = jnp.reshape(row_bases, shape[:-1] + (1,))
-    column = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
+    bases = jnp.reshape(row_bases, value.shape[:-1] + (1,))
+    column = jax.lax.broadcasted_iota(jnp.uint32, value.shape, value.ndim - 1)
     uniform = maps.uniform_of_index(seed, bases + column)
-  n = normalize.normalize(value, scales, layout)
-  if spec.stochastic:
-    codes = maps.encode_stochastic(n, uniform, spec.mapping, spec.bits, spec.signed,
-                                   gather_free=True)
-  else:
-    codes = maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed, gather_free=True)
-  return packing.pack(codes, spec.bits), scales
+  return qarray.encode(value, scales, spec, layout, uniform, fusible=True), scales

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax4bit import _codecs
 from optax4bit import _leafwise
 from optax4bit import _shard_map
 from optax4bit._fused_leaf import run_fused
@@ -71,31 +70,21 @@ def _local_update(rebuild_step, context: LeafContext, grad, moments, side, keys,
   step_fn = rebuild_step(consts)
   if shard is not None:
     context = context.in_shard(shard)
-  inexact = jnp.issubdtype(grad.dtype, jnp.inexact)
-  update_dtype = grad.dtype if inexact else jnp.float32
-  compute = _leafwise.compute_dtype(grad) if inexact else jnp.float32
+  if not jnp.issubdtype(grad.dtype, jnp.inexact):
+    grad = grad.astype(jnp.float32)  # as `optax4bit._leafwise.update_leaf`
 
   def step(grad, moments, side):
     old = tuple(_leafwise.decode_moment(m, context) for m in moments)
-    return step_fn(grad.astype(compute), old, tuple(side))
+    return step_fn(grad.astype(_leafwise.compute_dtype(grad)), old, tuple(side))
 
-  scales = ()
+  scales = (None,) * len(moments)
   if any(isinstance(m, QuantizedArray) for m in moments):
     scales = _new_scales(step, (grad, moments, side), moments, context)
     grad, moments, side, scales = jax.lax.optimization_barrier((grad, moments, side, scales))
   update, new = step(grad, moments, side)
-  new_moments = []
-  for i, (value, moment, key) in enumerate(zip(new, moments, keys)):
-    if not isinstance(moment, QuantizedArray):
-      new_moments.append(_leafwise.encode_moment(value, moment, context))
-      continue
-    codes, moment_scales = _codecs.encode(value, moment.spec, moment.layout, key, context,
-                                          scales=scales[i])
-    new_moments.append(QuantizedArray(codes, moment_scales, moment.spec, moment.shape,
-                                      moment.dtype))
-  if jnp.iscomplexobj(update) and not jnp.issubdtype(update_dtype, jnp.complexfloating):
-    update = jnp.real(update)
-  return update.astype(update_dtype), tuple(new_moments)
+  new_moments = tuple(_leafwise.encode_moment(value, moment, context, key, moment_scales)
+                      for value, moment, key, moment_scales in zip(new, moments, keys, scales))
+  return _leafwise.cast(update, grad.dtype), new_moments
 
 
 @dataclasses.dataclass(frozen=True)
