@@ -2,7 +2,9 @@
 
 Compile-only. Counts, in the compiled step's entry computation, the Triton
 (Pallas) kernels, XLA fusions, copies and while loops, with the copies grouped
-by shape, and XLA's temp bytes, in the two settings of
+by shape, the bytes its instructions read and write per parameter
+(`hlo_text.entry_bytes`: XLA:GPU's deviceless ``cost_analysis()`` gives none;
+a while loop's body is counted once, not per trip), and XLA's temp bytes, in the two settings of
 ``benchmarks/gpu_session.py`` (``--steps``): ``update``, the update alone with
 params, state and gradients donated (``gpu_step.py``'s), and ``train``, the
 gradients from ``jax.grad`` of the session's transformer loss, params and
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import sys
@@ -29,6 +32,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_session  # noqa: E402  (gpt_loss)
 import gpu_step  # noqa: E402  (SIZES, gpt_shapes, _is_shape)
+import hlo_text  # noqa: E402
 import offload_memory  # noqa: E402  (gpu_target_device, _abstract)
 
 import optax4bit  # noqa: E402
@@ -41,33 +45,26 @@ OPTIMIZERS = {
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="pallas"),
     "adamw_4bit update not in place": lambda: optax4bit.adamw_4bit(
         1e-3, implementation=optax4bit.pallas.PallasConfig(update_in_place=False)),
+    # The XLA engine: what `auto` runs on a GPU where the Pallas kernels do not compile.
+    "adamw_4bit xla": lambda: optax4bit.adamw_4bit(1e-3, implementation="xla"),
+    "adamw_4bit paper recipe xla": lambda: optax4bit.adamw_4bit(1e-3, recipe="paper",
+                                                                implementation="xla"),
+    "adamw_4bit_factor xla": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="xla"),
+    "adamw_8bit xla": lambda: optax4bit.adamw_8bit(1e-3, implementation="xla"),
+    "optax.sgd momentum": lambda: optax.sgd(1e-3, momentum=0.9),
+    "sgdm_4bit xla": lambda: optax4bit.sgdm_4bit(1e-3, momentum=0.9, implementation="xla"),
+    "adamw_4bit jnp": lambda: optax4bit.adamw_4bit(1e-3, implementation="jnp"),
 }
-
-
-def _instructions(computation: str):
-  """(shape, opcode) of each instruction line ``%name = SHAPE opcode(...)``."""
-  for line in computation.splitlines():
-    match = re.match(r"\s*(?:ROOT )?%\S+ = (.*)", line)
-    if not match:
-      continue
-    rest, depth = match.group(1), 0
-    for end, char in enumerate(rest):  # a tuple shape holds spaces: skip to its end
-      depth += {"(": 1, ")": -1}.get(char, 0) if rest[0] == "(" else 0
-      if depth == 0 and char == " ":
-        break
-    opcode = re.match(r"\s*([a-z-]+)\(", rest[end:])
-    if opcode:
-      yield rest[:end], opcode.group(1)
 
 
 def entry_counts(hlo: str) -> dict:
   """Kernels, copies and loops of an optimized HLO module's entry computation."""
   entry = hlo[hlo.index("\nENTRY"):]
   entry = entry[:entry.index("\n}\n")]
-  instructions = list(_instructions(entry))
-  ops = collections.Counter(opcode for _, opcode in instructions)
+  instructions = [i for i in hlo_text.instructions(hlo) if i.in_entry]
+  ops = collections.Counter(i.opcode for i in instructions)
   triton = len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', entry))
-  copies = collections.Counter(shape for shape, opcode in instructions if opcode == "copy")
+  copies = collections.Counter(i.shape for i in instructions if i.opcode == "copy")
   return {"triton kernels": triton, "fusions": ops["fusion"], "copies": ops["copy"],
           "while loops": ops["while"], "copied shapes": dict(copies.most_common(6))}
 
@@ -90,6 +87,7 @@ def main(argv=None):
   params = offload_memory._abstract(  # pylint: disable=protected-access
       treedef.unflatten([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]), "device",
       device)
+  num_params = sum(math.prod(s) for s in shapes)
   print(f"jax {jax.__version__}, compiled for {device.device_kind}, {args.size} float32 "
         f"params; update: params, state and gradients donated as in gpu_step.py; train: "
         f"{args.batch} x {args.seq} tokens, params and state donated")
@@ -112,7 +110,9 @@ def main(argv=None):
           return optax.apply_updates(params, updates), state
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, tokens)
       compiled = lowered.compile()
-      counts = entry_counts(compiled.as_text())
+      hlo = compiled.as_text()
+      counts = entry_counts(hlo)
+      counts["bytes/param"] = round(hlo_text.entry_bytes(hlo) / num_params, 2)
       counts["temp MiB"] = round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)
       print(f"{step_kind} {name}: {counts}", flush=True)
 

@@ -126,6 +126,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import optax4bit  # noqa: E402
+import hlo_text  # noqa: E402
 import training_memory  # noqa: E402  (GPTConfig, param_shapes, loss_fn)
 
 # Topology names the installed libtpu (0.0.42.1) accepts ("<gen>:<chips>"; the
@@ -268,31 +269,10 @@ def train_config(scale: int = 1) -> training_memory.GPTConfig:
                                    seq_len=1024 // scale)
 
 
-def _instructions(hlo: str):
-  """(computation is the entry, opcode) of each instruction ``%name = SHAPE opcode(...)``."""
-  entry = False
-  for line in hlo.splitlines():
-    if line and not line[0].isspace():
-      entry = line.startswith("ENTRY")
-      continue
-    match = re.match(r"\s*(?:ROOT )?%\S+ = (.*)", line)
-    if not match:
-      continue
-    rest, depth = match.group(1), 0
-    end = 0
-    for end, char in enumerate(rest):  # a tuple shape holds spaces: skip to its end
-      depth += {"(": 1, ")": -1}.get(char, 0) if rest[0] == "(" else 0
-      if depth == 0 and char == " ":
-        break
-    opcode = re.match(r"\s*([a-z-]+)\(", rest[end:])
-    if opcode:
-      yield entry, opcode.group(1)
-
-
 def hlo_counts(hlo: str) -> dict:
   """Entry fusions, while loops and copies, gathers and custom calls (by target)
   anywhere, of an optimized HLO module's text."""
-  entry = collections.Counter(op for in_entry, op in _instructions(hlo) if in_entry)
+  entry = collections.Counter(i.opcode for i in hlo_text.instructions(hlo) if i.in_entry)
   targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
   return {"fusions": entry["fusion"], "while_loops": entry["while"], "copies": entry["copy"],
           "gathers": hlo.count(" gather("), "custom_calls": dict(targets)}
