@@ -28,32 +28,70 @@ from optax4bit._leaf_context import LeafContext
 from optax4bit._steps import FusedStep
 from optax4bit.quant import normalize
 from optax4bit.quant.array import QuantizedArray
+from optax4bit.quant.spec import RANK1_FALLBACK_BLOCK
 
 __all__ = ["XlaSteps"]
+
+
+def _chunk_maxima(abs_x: jax.Array, chunk: int) -> jax.Array:
+  """Maxima of ``abs_x`` (non-negative) over chunks of ``chunk`` elements of
+  its last axis (a ragged last chunk padded with 0): shape ``(...,
+  ceil(n / chunk))``."""
+  return normalize.compute_scales(abs_x, normalize.Layout("block", chunk, 1))[0]
 
 
 def _new_scales(step, inputs: tuple, moments: tuple, context: LeafContext) -> tuple:
   """The scales every quantized new moment is encoded with (None for a
   plain one): its block, rank-1 or tensor maxima, the global leaf's in a
-  shard. Each scale array is reduced from its own recomputation of the step
-  (``step(*inputs)``, its inputs through an optimization barrier): XLA does
-  not fuse reductions over different axes, and would otherwise store the
-  float32 moment for the second one."""
+  shard.
+
+  Each group of reductions recomputes the step (``step(*inputs)``, its
+  inputs through an optimization barrier of its own): XLA fuses reductions
+  of one shape into one kernel, but not reductions over different axes, and
+  would otherwise store each float32 new moment for the second one. The
+  reductions along the last axis share one group: block maxima, and the
+  maxima over chunks of the last axis that rank-1 maxima of the other axes,
+  and tensor maxima, are taken from (a maximum is exact in any order: the
+  same scales bit for bit). Rank-1 maxima of the last axis (over all the
+  others) are a second group; blocks that span rows, one group each."""
+  quantized = [m for m in moments if isinstance(m, QuantizedArray)]
+  chunk = min((m.layout.block_size for m in quantized if m.layout.normalization == "block"
+               and m.layout.rows_per_block == 1), default=RANK1_FALLBACK_BLOCK)
+  groups = {}
+
+  def recomputed(group, i):
+    """The new moments, recomputed for ``group``; the ``i``-th one's |x|."""
+    if group not in groups:
+      # The group's index in the barrier: identical barriers would be merged.
+      *args, _ = jax.lax.optimization_barrier((*inputs, np.int32(len(groups))))
+      groups[group] = step(*args)[1]
+    return normalize.finite_abs(groups[group][i])
+
   out = []
   for i, moment in enumerate(moments):
     if not isinstance(moment, QuantizedArray):
       out.append(None)
       continue
-    count = len(normalize.scale_shapes(moment.layout, moment.shape))
-    scales = []
-    for j in range(count):
-      # The scale's index in the barrier: identical barriers would be merged.
-      *recomputed, _ = jax.lax.optimization_barrier((*inputs, np.int32(j)))
-      _, new = step(*recomputed)
-      scales.append(normalize.compute_scales(normalize.finite_abs(new[i]), moment.layout)[j])
-    scales = tuple(scales)
-    if context.shard is not None and moment.layout.normalization != "block":
-      scales = context.shard.reduce_scales(scales, moment.layout)
+    layout = moment.layout
+    if layout.normalization == "block":
+      along_rows = layout.rows_per_block == 1 and layout.block_size == chunk
+      group = "last axis" if along_rows else ("blocks", i)
+      scales = normalize.compute_scales(recomputed(group, i), layout)
+    else:
+      # Through a barrier: XLA would fold the two maxima into one reduction of
+      # another shape than the block maxima's, and not fuse them.
+      partial = jax.lax.optimization_barrier(_chunk_maxima(recomputed("last axis", i), chunk))
+      scales = []
+      for shape in normalize.scale_shapes(layout, moment.shape):
+        if layout.normalization == "rank1" and shape[-1] > 1:  # the last axis's maxima
+          whole = recomputed("columns", i)
+          scales.append(jnp.max(whole, axis=tuple(range(whole.ndim - 1)), keepdims=True))
+        else:
+          reduced = tuple(k for k, n in enumerate(shape[:-1]) if n == 1) + (partial.ndim - 1,)
+          scales.append(jnp.max(partial, axis=reduced, keepdims=True))
+      scales = tuple(scales)
+      if context.shard is not None:
+        scales = context.shard.reduce_scales(scales, layout)
     out.append(scales)
   return tuple(out)
 
