@@ -145,6 +145,14 @@ CANDIDATES = {
     "adamw_4bit jnp engine, two chunks per leaf": Optimizer(
         lambda impl: optax4bit.adamw_4bit(LR, implementation="jnp", chunk_size=2**30),
         sizes=("100M", SMOKE_SIZE), steps=("update",)),
+    # The XLA engine: what "auto" runs on a GPU where the Pallas kernels do not
+    # compile (issue 49: its timing beside Pallas decides auto's GPU choice).
+    "adamw_4bit xla engine": Optimizer(
+        lambda impl: optax4bit.adamw_4bit(LR, implementation="xla"),
+        sizes=("100M", SMOKE_SIZE), steps=("update",)),
+    "adamw_4bit_factor xla engine": Optimizer(
+        lambda impl: optax4bit.adamw_4bit_factor(LR, implementation="xla"), tier=2,
+        sizes=("100M", SMOKE_SIZE), steps=("update",)),
     # The update written into a fresh buffer, not over the gradient: jitted
     # alone, the in-place update makes XLA copy every gradient first (a jit
     # argument is writable only where it aliases an output).

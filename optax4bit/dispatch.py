@@ -5,8 +5,8 @@ Every optimizer of the library takes ``implementation=``:
 
 * ``"auto"`` (default): the Pallas kernels on a CUDA GPU where they compile
   (the default device's platform, ``jax.default_backend()`` unless
-  ``jax.default_device`` names another; not ROCm); the XLA engine on a TPU
-  and on any other GPU; on the CPU the
+  ``jax.default_device`` names another; not ROCm); the XLA engine on any
+  other GPU; on the CPU the
   compiled C++ kernels of `optax4bit.cpu` where they are installed and faster
   than the jnp path (their AVX-512 and AVX2 builds; 4-bit AdamW, AdamW with a
   factored second moment, SGD with momentum and `adamw_8bit`; everything else
@@ -149,8 +149,11 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
                      _cpu_codec if _cpu_codec.available() else None)
     if platform == "gpu" and _pallas_steps.kernels_run_here():
       return Backend(_pallas_steps.PallasSteps(PallasConfig().options))
-    if platform in ("gpu", "tpu"):
+    if platform == "gpu":
       return _xla_backend()
+    # On a TPU the jnp engine stays: the XLA engine's 4-bit pairs make XLA:TPU
+    # transpose every array of a leaf (docs/kernels.md: 4.5x optax.adamw's
+    # bytes and 1.5x the jnp engine's temp on a v5e).
     return Backend()
   if implementation == "jnp":
     return Backend()

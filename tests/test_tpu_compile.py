@@ -3,8 +3,8 @@
 The real TPU compiler (libtpu, ``pip install -e .[tpu-check]``) compiles the
 update of the scaled GPT-like tree (``--scale 4``: 4.8M float32 parameters,
 9 leaves quantized) for a v5e device, for ``optax.adamw`` and
-``adamw_4bit(implementation="jnp")``, and the compiled step must stay within
-`BUDGETS`. The tests that compile skip without libtpu or where it cannot
+``adamw_4bit()`` (``"auto"``, traced for the TPU: the jnp engine), and the
+compiled step must stay within `BUDGETS`. The tests that compile skip without libtpu or where it cannot
 describe the v5e topology; the HLO parsing and the sentinel arithmetic are
 checked everywhere. About 35 s on 2 CPU cores (mostly the adamw_4bit compile).
 """
@@ -28,10 +28,13 @@ from conftest import benchmark_script  # noqa: E402
 tpu_compile = benchmark_script("tpu_compile")
 
 SCALE = 4
-# What the compiled update of the scaled tree (v5e, float32) may cost, with
-# ~15% over what the jnp implementation measured with libtpu 0.0.42.1 (in
-# brackets; optax.adamw: 15 fusions, no loop, 81.4 bytes accessed per
-# parameter, no temp, 73.2 MiB in all). Tighten them as the step improves.
+# What the compiled update of the scaled tree (v5e, float32) may cost with
+# implementation="auto", which on a TPU is the jnp engine: ~15% over what it
+# measured with libtpu 0.0.42.1 (in brackets; optax.adamw: 15 fusions, no
+# loop, 81.4 bytes accessed per parameter, no temp, 73.2 MiB in all). Tighten
+# them as the step improves (issue 49's targets: no loop, bytes <= 0.7x, <= 4
+# fusions per quantized leaf; the XLA engine has no loop but 2.47x the bytes
+# here, its 4-bit packing transposing every array: docs/kernels.md).
 BUDGETS = {
     # gathers anywhere in the optimized HLO (a table lookup per element) [0]
     "adamw_4bit gathers": 0,
@@ -64,7 +67,7 @@ def v5e():
 @pytest.fixture(scope="module")
 def update_rows(v5e):
   del v5e
-  return tpu_compile.run(["adamw_4bit"], implementation="jnp", scale=SCALE)
+  return tpu_compile.run(["adamw_4bit"], implementation="auto", scale=SCALE)
 
 
 # --- Everywhere: the parsing and the arithmetic. ---
