@@ -149,28 +149,25 @@ def is_quantized(x) -> bool:
 
 
 def encode(x: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
-           uniform: Optional[jax.Array] = None, fusible: bool = False) -> jax.Array:
+           uniform: Optional[jax.Array] = None) -> jax.Array:
   """Packed codes of float32 ``x`` under given scales (``uniform`` draws for
-  stochastic rounding). ``fusible``: the same codes by ops that XLA fuses on
-  accelerators (8-bit tables searched by select trees, not gathers; see
-  `optax4bit.quant.maps`)."""
+  stochastic rounding)."""
   n = normalize.normalize(x, scales, layout)
   if spec.stochastic:
-    codes = maps.encode_stochastic(n, uniform, spec.mapping, spec.bits, spec.signed,
-                                   gather_free=fusible)
+    codes = maps.encode_stochastic(n, uniform, spec.mapping, spec.bits, spec.signed)
   else:
-    codes = maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed, gather_free=fusible)
+    codes = maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed)
   return packing.pack(codes, spec.bits)
 
 
 def decode(codes: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
            shape: tuple, fusible: bool = False) -> jax.Array:
   """float32 values of packed ``codes`` for a tensor of ``shape``.
-  ``fusible``: by ops that XLA fuses on accelerators (no gather, no bitcast;
+  ``fusible``: unpacked by ops that XLA fuses on accelerators (no bitcast;
   `optax4bit.quant.packing.unpack_fusible`)."""
   unpack = packing.unpack_fusible if fusible else packing.unpack
   values = maps.decode(unpack(codes, shape[-1], spec.bits), spec.mapping, spec.bits,
-                       spec.signed, gather_free=fusible)
+                       spec.signed)
   return values * normalize.expand_scales(scales, layout, shape)
 
 

@@ -3,9 +3,8 @@
 Encoding is a binary search over the decision thresholds between neighbouring
 table entries: ``bits`` compares per element. For 4 bits each compare's
 threshold is picked by a small tree of selects (no gather, which XLA's CPU
-backend does not vectorize); 8-bit tables use a gather, or with
-``gather_free=True`` trees of 255 selects (the XLA engine's: a gather from a
-table is a slow op on TPUs). ``Linear`` tables have closed forms.
+backend does not vectorize); 8-bit tables use a gather. ``Linear`` tables have
+closed forms.
 
 Thresholds are the midpoints between entries, except for ``SqrtDE-0`` and
 ``SqrtLinear``, which round ``sqrt(x)`` to the nearest ``DE-0`` or ``Linear``
@@ -160,16 +159,13 @@ def _select_by_bits(decided: list, values: list):
                    _select_by_bits(decided[1:], values[:half]))
 
 
-def count_above(x: jax.Array, bounds: np.ndarray, *, inclusive: bool = False,
-                gather_free: bool = False) -> jax.Array:
+def count_above(x: jax.Array, bounds: np.ndarray, *, inclusive: bool = False) -> jax.Array:
   """Number of sorted ``bounds`` below ``x`` (``x > b``, or ``x >= b`` if
-  ``inclusive``), by binary search: ``log2(len(bounds) + 1)`` compares, each
-  against a bound picked by a tree of selects (up to 4 levels, or any number
-  with ``gather_free``) or by a gather."""
+  ``inclusive``), by binary search: ``log2(len(bounds) + 1)`` compares."""
   num_levels = int(np.log2(bounds.size + 1))
   assert 2**num_levels == bounds.size + 1
   compare = jnp.greater_equal if inclusive else jnp.greater
-  if num_levels <= 4 or gather_free:
+  if num_levels <= 4:
     decided = []
     for level in range(num_levels):
       step = 2 ** (num_levels - 1 - level)
@@ -190,17 +186,16 @@ def count_above(x: jax.Array, bounds: np.ndarray, *, inclusive: bool = False,
   return count
 
 
-def bracket(x: jax.Array, table: np.ndarray, gather_free: bool = False):
+def bracket(x: jax.Array, table: np.ndarray):
   """``(lower, table[lower], table[min(lower + 1, size - 1)])`` for ``x`` in
   ``[table[0], table[-1]]``, ``lower`` the largest ``k`` with ``table[k] <=
   x``: `count_above` over ``table[1:]`` (inclusive), which for 16 entries
   also carries the last bound passed and the last one failed along its
   search (the entries either side of ``x`` are both on the path), 8 selects
-  instead of two 15-select trees. Larger tables gather the two entries, unless
-  ``gather_free``."""
+  instead of two 15-select trees."""
   num_levels = int(np.log2(table.size))
   assert 2**num_levels == table.size
-  if num_levels > 4 and not gather_free:
+  if num_levels > 4:
     lower = count_above(x, table[1:], inclusive=True)
     values = jnp.asarray(table)
     return lower, values[lower], values[jnp.minimum(lower + 1, table.size - 1)]
@@ -221,44 +216,38 @@ def bracket(x: jax.Array, table: np.ndarray, gather_free: bool = False):
   return lower, low, high
 
 
-def encode_nearest(n: jax.Array, mapping: str, bits: int, signed: bool,
-                   gather_free: bool = False) -> jax.Array:
+def encode_nearest(n: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array:
   """Codes (uint8) of the nearest table entries to float32 ``n``; ties go to
-  the lower index; values outside the table clamp to its ends.
-  ``gather_free``: 8-bit tables searched by select trees (`count_above`)."""
+  the lower index; values outside the table clamp to its ends."""
   if mapping == "Linear":
     # Entries (i + 1) / 2**b, midpoints (i + 1.5) / 2**b: exact in float32.
     levels = 2**bits
     code = jnp.clip(jnp.ceil(n * np.float32(levels) - np.float32(1.5)), 0, levels - 1)
     return code.astype(jnp.uint8)
-  return count_above(n, midpoint_thresholds(mapping, bits, signed),
-                     gather_free=gather_free).astype(jnp.uint8)
+  return count_above(n, midpoint_thresholds(mapping, bits, signed)).astype(jnp.uint8)
 
 
 def encode_stochastic(n: jax.Array, uniform: jax.Array, mapping: str, bits: int,
-                      signed: bool, gather_free: bool = False) -> jax.Array:
+                      signed: bool) -> jax.Array:
   """Unbiased stochastic rounding between the two neighbouring entries.
 
   ``uniform`` holds U[0, 1) draws shaped like ``n``. Values outside the table
-  clamp to its ends first (the only biased case). ``gather_free``: as in
-  `bracket`.
+  clamp to its ends first (the only biased case).
   """
   table = _table(mapping, bits, signed)
   n = jnp.clip(n, table[0], table[-1])
-  lower, low_value, high_value = bracket(n, table, gather_free)
+  lower, low_value, high_value = bracket(n, table)
   gap = high_value - low_value
   round_up_probability = jnp.where(gap > 0, (n - low_value) / jnp.where(gap > 0, gap, 1), 0)
   return (lower + (uniform < round_up_probability).astype(jnp.int32)).astype(jnp.uint8)
 
 
-def decode(codes: jax.Array, mapping: str, bits: int, signed: bool,
-           gather_free: bool = False) -> jax.Array:
-  """float32 table entries for integer ``codes``: a tree of selects by the
-  codes' bits (4 bits, or 8 with ``gather_free``) or a gather."""
+def decode(codes: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array:
+  """float32 table entries for integer ``codes``."""
   if mapping == "Linear":
     return (codes.astype(jnp.float32) + 1) * np.float32(1.0 / 2**bits)
   table = _table(mapping, bits, signed)
-  if bits <= 4 or gather_free:
+  if bits <= 4:
     codes = codes.astype(jnp.int32)
     decided = [(codes & (1 << (bits - 1 - level))) != 0 for level in range(bits)]
     return _select_by_bits(decided, list(table))

@@ -1,6 +1,6 @@
 """The XLA engine: each leaf's fused step as whole-leaf XLA ops, for
 accelerators without the Pallas kernels (TPUs, GPUs where Pallas' Triton
-backend is absent): `steps.XlaSteps` and its gather-free codecs `codec`.
+backend is absent): `steps.XlaSteps` and its fusible 4-bit codecs `codec`.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax4bit
