@@ -316,10 +316,10 @@ def test_implementation_validation_and_auto():
   assert dispatch.resolve("auto", "tpu") == dispatch.Backend()
 
 
-def test_auto_runs_jnp_where_the_kernels_do_not_compile(monkeypatch, caplog):
+def test_auto_runs_the_xla_engine_where_the_kernels_do_not_compile(monkeypatch, caplog):
   """A CUDA GPU whose compiler rejects the kernels (mocked): ``auto`` probes
-  once per compute capability, logs one line with the reason and takes the
-  jnp path; a capability where the probe compiles gets the kernels."""
+  once per compute capability, logs one line with the reason and runs the
+  XLA engine; a capability where the probe compiles gets the kernels."""
   probes = []
 
   def failing_probe():
@@ -332,8 +332,8 @@ def test_auto_runs_jnp_where_the_kernels_do_not_compile(monkeypatch, caplog):
   pallas_steps._kernels_compile.cache_clear()
   try:
     with caplog.at_level(logging.WARNING, logger=pallas_steps.__name__):
-      assert dispatch.resolve("auto", "gpu").steps is None
-      assert dispatch.resolve("auto", "gpu").steps is None
+      assert dispatch.resolve("auto", "gpu") == dispatch.resolve("xla")
+      assert dispatch.resolve("auto", "gpu") == dispatch.resolve("xla")
     assert probes == ["fail"]
     (record,) = caplog.records
     message = record.getMessage()

@@ -19,7 +19,7 @@ cross-shard ``pmax``, so results equal the unsharded run.
 Which backend runs is chosen by `optax4bit.dispatch.resolve`. ``"auto"`` uses these
 kernels on a CUDA GPU only where they compile: once per process and compute
 capability the fused AdamW steps of both recipes are compiled for the default
-device, and if that fails ``auto`` runs the jnp reference and logs one line
+device, and if that fails ``auto`` runs the XLA engine and logs one line
 saying why.
 """
 
@@ -152,7 +152,7 @@ def _kernels_compile(capability: str) -> bool:
     _compile_probe()
   except Exception as e:  # pylint: disable=broad-except  (any compiler failure)
     reason = (str(e).strip().splitlines() or [""])[0][:300]
-    _LOG.warning("optax4bit: implementation='auto' runs the jnp path on this GPU (compute "
+    _LOG.warning("optax4bit: implementation='auto' runs the XLA engine on this GPU (compute "
                  "capability %s): the Pallas kernels do not compile (%s: %s)", capability,
                  type(e).__name__, reason)
     return False
