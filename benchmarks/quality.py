@@ -1228,6 +1228,16 @@ def benchmark_problem(problem: Problem, t: Training, variants: list, seeds: list
   return out
 
 
+def training_for(problem: Problem, steps: int) -> Training:
+  """``problem``'s training run for ``steps`` steps. A run shorter than the
+  configured one (``--steps``, ``--quick``) warms up at most a tenth of its
+  steps; otherwise the configured warmup is kept."""
+  t = dataclasses.replace(problem.training, steps=steps)
+  if t.warmup_steps and steps < problem.training.steps:
+    t = dataclasses.replace(t, warmup_steps=min(t.warmup_steps, steps // 10))
+  return t
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1265,9 +1275,7 @@ def main(argv=None) -> dict:
   for name in args.problems:
     problem = PROBLEMS[name]
     steps = args.steps or (problem.quick_steps if args.quick else problem.training.steps)
-    t = dataclasses.replace(problem.training, steps=steps)
-    if t.warmup_steps:
-      t = dataclasses.replace(t, warmup_steps=min(t.warmup_steps, steps // 10))
+    t = training_for(problem, steps)
     seeds = args.seeds or list(range(2 if args.quick else problem.seeds))
     results[name] = benchmark_problem(problem, t, variants, seeds, fresh=args.fresh, write=write)
   print("\n## Summary: mean paired gap % (± se) at the last step\n")
@@ -1311,9 +1319,23 @@ def merge_unrun_variants(previous: Optional[dict], entry: dict) -> dict:
                           if v not in entry["paired"]}, **entry.get(field, {})}
   kept = sorted(set(previous["paired"]) - set(entry["paired"]))
   if kept:
-    merged["variants_from_previous_run"] = {"environment": previous["environment"],
-                                            "variants": kept}
+    origin = previous_environments(previous)
+    environments = {}
+    for variant in kept:
+      environments.setdefault(origin.get(variant, previous["environment"]), []).append(variant)
+    merged["variants_from_previous_run"] = {"environments": environments}
   return merged
+
+
+def previous_environments(entry: dict) -> dict:
+  """variant -> the environment it was trained in, for the variants that
+  ``entry`` kept from earlier runs (``variants_from_previous_run``: the
+  mapping environment -> variants, or the single environment that entries
+  written before 2026-11-29 record)."""
+  kept = entry.get("variants_from_previous_run") or {}
+  if "environments" in kept:
+    return {v: env for env, variants in kept["environments"].items() for v in variants}
+  return {v: kept["environment"] for v in kept.get("variants", ())}
 
 
 def run_diagnostics(args, variants: list, write: bool) -> dict:
