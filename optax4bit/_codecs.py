@@ -32,10 +32,12 @@ def hash_origin(shape, context: LeafContext, first_row=0):
   return origin, full_shape
 
 
-def encode(value, spec, layout, key, context: LeafContext, first_row=0, scales=None):
+def encode(value, spec, layout, key, context: LeafContext, first_row=0, scales=None,
+           stored_codes=None):
   """``(codes, scales)`` of float32 ``value`` (rows ``first_row, ...`` of its
   leaf): under ``scales`` (rank-1 or tensor ones of the whole leaf) or, for
-  None, its own block maxima."""
+  None, its own block maxima. ``stored_codes``: the packed codes ``value``
+  replaces (a ``stall_only`` spec's)."""
   seed = origin = full_shape = None
   if spec.stochastic:
     origin, full_shape = hash_origin(value.shape, context, first_row)
@@ -43,10 +45,10 @@ def encode(value, spec, layout, key, context: LeafContext, first_row=0, scales=N
   codecs = context.codecs
   if codecs is not None:
     bases = None if seed is None else maps.row_hash_bases(value.shape, origin, full_shape)
-    out = codecs.encode(value, spec, layout, scales, seed, bases)
+    out = codecs.encode(value, spec, layout, scales, seed, bases, stored_codes)
     if out is not None:
       return out
   if scales is None:
     scales = normalize.compute_scales(normalize.finite_abs(value), layout)
   uniform = None if seed is None else maps.hashed_uniform(seed, value.shape, origin, full_shape)
-  return qarray.encode(value, scales, spec, layout, uniform), scales
+  return qarray.encode(value, scales, spec, layout, uniform, stored_codes), scales

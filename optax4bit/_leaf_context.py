@@ -23,7 +23,7 @@ class Codecs(Protocol):
   def decode(self, codes, scales, spec, layout, shape):
     ...
 
-  def encode(self, value, spec, layout, scales, seed, row_bases):
+  def encode(self, value, spec, layout, scales, seed, row_bases, stored_codes):
     ...
 
 

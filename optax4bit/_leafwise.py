@@ -69,7 +69,8 @@ def encode_moment(value: jax.Array, like, context: LeafContext, key=None, scales
     scales = normalize.compute_scales(normalize.finite_abs(value), layout)
     if context.shard is not None:
       scales = context.shard.reduce_scales(scales, layout)
-  codes, scales = _codecs.encode(value, like.spec, layout, key, context, scales=scales)
+  codes, scales = _codecs.encode(value, like.spec, layout, key, context, scales=scales,
+                                 stored_codes=like.codes)
   return QuantizedArray(codes, scales, like.spec, like.shape, like.dtype)
 
 
@@ -450,8 +451,9 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
       if plan.needs_second_pass:
         chunk_scales = tuple(s if f is None else _take_rows(s, start, size, f)
                              for s, f in zip(new_global[i], plan.scale_factors))
+      stored_codes = _take_rows(bufs[i][0], start, size, plan.codes_factor)
       codes, chunk_scales = _codecs.encode(new[i], moment.spec, layout, keys[i], leaf.context,
-                                           start, chunk_scales)
+                                           start, chunk_scales, stored_codes)
       local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
       out.append((codes, local))
     return cast(update, update_dtype), tuple(out)

@@ -108,17 +108,21 @@ def _seeds_and_bases(seed: Optional[jax.Array], row_bases: Optional[jax.Array], 
 
 
 def encode(x: jax.Array, spec: QuantSpec, layout: normalize.Layout, scales: Optional[tuple],
-           seed: Optional[jax.Array], row_bases: Optional[jax.Array]):
+           seed: Optional[jax.Array], row_bases: Optional[jax.Array],
+           stored_codes: Optional[jax.Array] = None):
   """``(codes, scales)`` as `optax4bit.quant.array.encode` gives them for
   float32 ``x``, or None where the codec does not apply.
 
   Block scales are computed here (``scales`` None); rank-1 ones are given.
   ``seed`` and ``row_bases`` (`optax4bit.quant.maps.rounding_seed`,
   `optax4bit.quant.maps.row_hash_bases`): stochastic rounding's draws.
+  ``stored_codes``: the codes ``x`` replaces; a ``stall_only`` spec, which
+  reads them, is left to the jnp codecs.
   """
+  del stored_codes
   shape = tuple(x.shape)
   rows = _rows(spec, layout, shape)
-  if rows is None:
+  if rows is None or spec.stall_only:
     return None
   if layout.normalization == "block":
     if spec.mapping not in _BLOCK_MAPS or scales is not None:

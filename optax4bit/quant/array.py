@@ -149,14 +149,21 @@ def is_quantized(x) -> bool:
 
 
 def encode(x: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
-           uniform: Optional[jax.Array] = None) -> jax.Array:
+           uniform: Optional[jax.Array] = None, stored_codes: Optional[jax.Array] = None,
+           fusible: bool = False) -> jax.Array:
   """Packed codes of float32 ``x`` under given scales (``uniform`` draws for
-  stochastic rounding)."""
+  stochastic rounding). ``stored_codes``: the packed codes ``x`` replaces,
+  which a ``stall_only`` spec keeps stochastic rounding to (None: stochastic
+  everywhere); ``fusible`` unpacks them as `decode` does."""
   n = normalize.normalize(x, scales, layout)
-  if spec.stochastic:
-    codes = maps.encode_stochastic(n, uniform, spec.mapping, spec.bits, spec.signed)
-  else:
-    codes = maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed)
+  if not spec.stochastic:
+    return packing.pack(maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed), spec.bits)
+  codes = maps.encode_stochastic(n, uniform, spec.mapping, spec.bits, spec.signed)
+  if spec.stall_only and stored_codes is not None:
+    unpack = packing.unpack_fusible if fusible else packing.unpack
+    nearest = maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed)
+    stalled = nearest == unpack(stored_codes, x.shape[-1], spec.bits)
+    codes = jnp.where(stalled, codes, nearest)
   return packing.pack(codes, spec.bits)
 
 

@@ -51,6 +51,13 @@ class QuantSpec:
     block_size: block length for ``"block"``; ignored otherwise.
     stochastic: round stochastically between the two neighbouring table
       entries (unbiased) instead of to the nearest entry; needs a PRNG key.
+    stall_only: with ``stochastic``, round stochastically only the elements
+      whose nearest code is the code they had before (where an EMA that moves
+      by less than half a gap would stall at its old code), and the others
+      to the nearest entry: stochastic rounding's lack of bias where nearest
+      rounding stalls, without its variance where it does not. Needs the
+      stored codes (an optimizer's state); `optax4bit.quantize`, which has
+      none, rounds every element stochastically.
 
   Example:
     >>> import optax4bit
@@ -67,6 +74,7 @@ class QuantSpec:
   signed: bool = False
   block_size: int = 0
   stochastic: bool = False
+  stall_only: bool = False
 
   def __post_init__(self):
     if self.normalization not in NORMALIZATIONS:
@@ -101,6 +109,11 @@ class QuantSpec:
           f"block_size={self.block_size!r} with normalization={self.normalization!r}.")
     if not isinstance(self.stochastic, bool):
       raise ValueError(f"stochastic must be a bool, got {self.stochastic!r}.")
+    if not isinstance(self.stall_only, bool):
+      raise ValueError(f"stall_only must be a bool, got {self.stall_only!r}.")
+    if self.stall_only and not self.stochastic:
+      raise ValueError("stall_only=True chooses where rounding is stochastic and needs "
+                       "stochastic=True.")
 
   @classmethod
   def parse(
@@ -110,6 +123,7 @@ class QuantSpec:
       bits: int = 4,
       signed: Optional[bool] = None,
       stochastic: bool = False,
+      stall_only: bool = False,
   ) -> "QuantSpec":
     """Builds a spec from a paper-style name such as ``"B128/DE"``.
 
@@ -121,6 +135,8 @@ class QuantSpec:
       signed: defaults to ``True`` for ``DE`` and ``NF`` and ``False`` for the
         zero-free maps ``DE-0``, ``Linear``, ``SqrtDE-0`` and ``SqrtLinear``.
       stochastic: stochastic rounding.
+      stall_only: stochastic rounding only where nearest rounding would keep
+        the stored code (see the class docstring).
 
     Returns:
       The spec.
@@ -145,9 +161,9 @@ class QuantSpec:
       if not _is_power_of_two(block):
         raise ValueError(
             f"block size in {name!r} must be a positive power of two, got {block}.")
-      return cls("block", mapping, bits, signed, block, stochastic)
+      return cls("block", mapping, bits, signed, block, stochastic, stall_only)
     norm = "tensor" if match["norm"] == "Tensor" else "rank1"
-    return cls(norm, mapping, bits, signed, 0, stochastic)
+    return cls(norm, mapping, bits, signed, 0, stochastic, stall_only)
 
   @property
   def name(self) -> str:
@@ -162,7 +178,9 @@ class QuantSpec:
 
   def __str__(self) -> str:
     extras = [f"{self.bits}-bit", "signed" if self.signed else "unsigned"]
-    if self.stochastic:
+    if self.stall_only:
+      extras.append("stochastic where stalled")
+    elif self.stochastic:
       extras.append("stochastic")
     return f"{self.name} ({', '.join(extras)})"
 
