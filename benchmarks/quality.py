@@ -45,8 +45,28 @@ Problems (CPU, jitted, no downloads):
   96-384, depth 2-4, lr 1e-3 and 3e-3, with and without clipping, 800-4000
   steps; each reports the paired difference of every variant's gap to the
   paper recipe's.
+* The low-entropy LMs of issue 50 (``lm_docs_nnx_1500``,
+  ``lm_docs_nnx_issue50``; `LOW_ENTROPY_LM_FAMILY`, 6 seeds by default): the
+  model a Flax NNX user writes (`NNXTransformerLM`: ``nnx.Embed`` bytes and
+  learned positions, pre-norm blocks of ``nnx.LayerNorm``, causal
+  ``nnx.MultiHeadAttention`` with Flax's 3-D kernels ``(d, heads, head_dim)``
+  and ``(heads, head_dim, d)``, a GELU MLP of ``nnx.Linear``, an untied
+  ``nnx.Linear`` head; byte vocabulary 256), 2 layers x d_model 192, 4 heads,
+  batch 16 x 128 bytes, issue 40's training (lr 3e-3, 100 warmup steps, cosine
+  decay to 0, weight decay 0.01 on matrices, no clipping,
+  ``min_quantize_size=4096``), on ``docs``: the standard library's
+  ``pydoc_data.topics`` (the English text ``help()`` shows for keywords and
+  statements; on every machine with Python; 79 topics, 466 kB on Python 3.11,
+  lzma 1.13 nats/byte), split by topic (crc32 rule, `load_docs_corpus`).
+  ``lm_docs_nnx_issue50`` is the issue's 800 steps: fp32 AdamW ends at 1.37
+  nats/byte on Python 3.11 (seed 0), above the 1.3 the issue asks of a
+  low-entropy LM; ``lm_docs_nnx_1500`` trains 1500 steps and is the one
+  measured (fp32 AdamW ends at 1.166 nats/byte, seed 0; 8 min a run on 2
+  shared CPU cores).
 
-``--variants`` also takes issue 40's candidate recipes (`CANDIDATE_VARIANTS`),
+``--variants`` also takes the candidate recipes of issues 40 and 50 (`CANDIDATE_VARIANTS`;
+``adamw_4bit_m_stall`` and ``adamw_4bit_mv_stall`` round m, or m and v, with the
+library's ``QuantSpec(stochastic=True, stall_only=True)``, skipped where it has none),
 ``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`) and rounding rules the
 library does not have, simulated in float32 (`SIMULATED_VARIANTS`,
 `scale_by_adam_simulated_4bit`: the same 4-bit values, not the bytes); ``--diagnose``
@@ -72,7 +92,14 @@ mean paired gap of the validation loss is <= 0.5% (``adamw_4bit``) and <= 1%
 
 Each run is cached as JSON under ``runs/bench/quality/`` keyed by its full
 configuration (problem settings, variant and its resolved quantizers, seed);
-``--fresh`` retrains. Outputs: ``benchmarks/results/quality_paired.json``
+``--fresh`` retrains. What the report needs of each run (evaluation steps and
+metrics, state bytes, the key; not the per-step training losses) is also
+stored, one small file per run, in the committed
+``benchmarks/results/quality_runs/<problem>/`` (`RUN_STORE`; gzipped above
+16 kB), read before training: a later session, on a fresh machine too,
+resumes where the last one stopped (``--no-store``: do not write there).
+Runs train seed by seed, every variant of a seed before the next seed, so
+paired seeds complete early. Outputs: ``benchmarks/results/quality_paired.json``
 (problems not run keep their previous entry) and
 ``benchmarks/plots/quality_<problem>.png`` (paired gap vs steps, mean +- std
 band per variant).
@@ -87,6 +114,8 @@ Usage:
   python benchmarks/quality.py --quick                          # smoke test, writes nothing
   python benchmarks/quality.py --problems lm --seeds 0 1 2 --steps 4000
   python benchmarks/quality.py --variants adamw adamw_4bit adamw_4bit_paper
+  python benchmarks/quality.py --problems lm_docs_nnx_1500 --no-write \
+      --variants adamw adamw_4bit adamw_4bit_paper adamw_4bit_factor
 """
 
 from __future__ import annotations
@@ -138,9 +167,10 @@ QUANTIZED_VARIANTS = {
     "adamw_4bit_factor_paper": ("adamw_4bit_factor", "paper"),
     "adamw_8bit": ("adamw_8bit", None),
 }
-# Candidate recipes of issue 40, run only when named with --variants:
+# Candidate recipes of issues 40 and 50, run only when named with --variants:
 # variant -> (first moment, second moment) of ``adamw_4bit``, each a
-# ``(name, stochastic)`` pair for `QuantSpec.parse` (None: the default's).
+# ``(name, stochastic)`` or ``(name, stochastic, stall_only)`` tuple for
+# `QuantSpec.parse` (None: the default's).
 CANDIDATE_VARIANTS = {
     "adamw_4bit_m_nf_nearest": (("B128/NF", False), None),
     "adamw_4bit_m_de_nearest": (("B128/DE", False), None),
@@ -154,6 +184,11 @@ CANDIDATE_VARIANTS = {
     # second session of 2026-11-27's issue 40 work).
     "adamw_4bit_v_nearest": (None, ("Rank-1/SqrtLinear", False)),
     "adamw_4bit_m_de_nearest_v_sr": (("B128/DE", False), ("Rank-1/SqrtLinear", True)),
+    # Issue 50: the library's stall rule (``stall_only``: stochastic rounding
+    # only where nearest rounding would keep the stored code), on m with the
+    # default's v, and on both moments.
+    "adamw_4bit_m_stall": (("B128/NF", True, True), None),
+    "adamw_4bit_mv_stall": (("B128/NF", True, True), ("Rank-1/SqrtLinear", True, True)),
 }
 # Adam with an Adafactor-factored second moment, both moments float32
 # (`scale_by_factored_adam_fp32`): what 4-bit Factor would be without 4 bits.
@@ -205,7 +240,8 @@ def candidate_specs(variant: str) -> dict:
   specs = {}
   for name, spec in zip(("first_moment", "second_moment"), CANDIDATE_VARIANTS[variant]):
     if spec is not None:
-      specs[name] = optax4bit.QuantSpec.parse(spec[0], stochastic=spec[1])
+      stall = {"stall_only": True} if spec[2:] and spec[2] else {}
+      specs[name] = optax4bit.QuantSpec.parse(spec[0], stochastic=spec[1], **stall)
   return specs
 
 
@@ -215,13 +251,24 @@ def _accepts(fn: Callable, argument: str) -> bool:
 
 def variant_unavailable(variant: str) -> Optional[str]:
   """Why this library cannot build ``variant`` (None when it can)."""
-  if variant in (REFERENCE, FACTOR_FP32) or variant in CANDIDATE_VARIANTS or \
-      variant in SIMULATED_VARIANTS or variant in STEP_SCALED_VARIANTS:
+  if variant in CANDIDATE_VARIANTS:
+    if any(spec[2:] and spec[2] for spec in CANDIDATE_VARIANTS[variant] if spec) and \
+        "stall_only" not in inspect.signature(optax4bit.QuantSpec.parse).parameters:
+      return "optax4bit.QuantSpec has no stall_only rounding"
+    return None
+  if variant in (REFERENCE, FACTOR_FP32) or variant in SIMULATED_VARIANTS or \
+      variant in STEP_SCALED_VARIANTS:
     return None
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if recipe is not None and not _accepts(getattr(optax4bit, builder), "recipe"):
     return f"optax4bit.{builder} takes no recipe= argument"
   return None
+
+
+def spec_key(spec) -> str:
+  """``repr(spec)`` without ``stall_only=False``: the same quantizer, so the
+  same cache key, in libraries from before and after `QuantSpec` had it."""
+  return repr(spec).replace(", stall_only=False", "")
 
 
 def variant_quantizers(variant: str) -> dict:
@@ -241,17 +288,17 @@ def variant_quantizers(variant: str) -> dict:
             "second_moment": f"{second} simulated"}
   if variant in CANDIDATE_VARIANTS:
     resolved = optax4bit.recipes.resolve("default", **candidate_specs(variant))
-    return {"first_moment": repr(resolved.first_moment),
-            "second_moment": repr(resolved.second_moment)}
+    return {"first_moment": spec_key(resolved.first_moment),
+            "second_moment": spec_key(resolved.second_moment)}
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if builder == "adamw_8bit":
-    return {"first_moment": repr(optax4bit.alias.EIGHT_BIT_FIRST_MOMENT),
-            "second_moment": repr(optax4bit.alias.EIGHT_BIT_SECOND_MOMENT)}
+    return {"first_moment": spec_key(optax4bit.alias.EIGHT_BIT_FIRST_MOMENT),
+            "second_moment": spec_key(optax4bit.alias.EIGHT_BIT_SECOND_MOMENT)}
   resolved = optax4bit.recipes.resolve(recipe or "default")
-  second = repr(resolved.second_moment)
+  second = spec_key(resolved.second_moment)
   if builder == "adamw_4bit_factor":
     second = f"Factor (ndim >= 2), {second} (1-D)"
-  return {"first_moment": repr(resolved.first_moment), "second_moment": second}
+  return {"first_moment": spec_key(resolved.first_moment), "second_moment": second}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -647,12 +694,70 @@ def lm_settings(t: Training, seed: int, model: Optional[dict] = None) -> train_l
   return train_lm.LMSettings(steps=t.steps, warmup_steps=t.warmup_steps, seed=seed, **model)
 
 
+class NNXBlock(nnx.Module):
+  """Pre-norm transformer block in Flax NNX's own layers: causal
+  ``nnx.MultiHeadAttention`` (3-D kernels: q, k, v ``(d, heads, head_dim)``,
+  out ``(heads, head_dim, d)``) and a GELU MLP of width ``4 d``."""
+
+  def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
+    # keep_rngs=False: no dropout, so no RNG state among the trained leaves.
+    self.attn = nnx.MultiHeadAttention(num_heads, d_model, decode=False, keep_rngs=False,
+                                       rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
+    self.fc1 = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
+    self.fc2 = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+
+  def __call__(self, x, mask):
+    x = x + self.attn(self.ln1(x), mask=mask)
+    return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+
+
+class NNXTransformerLM(nnx.Module):
+  """A byte-level decoder as a Flax NNX user writes it: ``nnx.Embed`` for
+  bytes and learned positions, `NNXBlock` s, a final ``nnx.LayerNorm`` and an
+  untied ``nnx.Linear`` head to 256 logits; causal mask from
+  ``nnx.make_causal_mask``."""
+
+  def __init__(self, *, vocab_size: int = 256, seq_len: int = 128, d_model: int = 192,
+               num_layers: int = 2, num_heads: int = 4, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
+    self.pos = nnx.Embed(seq_len, d_model, rngs=rngs)
+    self.blocks = nnx.List([NNXBlock(d_model, num_heads, rngs=rngs) for _ in range(num_layers)])
+    self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
+    self.head = nnx.Linear(d_model, vocab_size, rngs=rngs)
+
+  def __call__(self, tokens):
+    mask = nnx.make_causal_mask(tokens)
+    x = self.embed(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.ln_f(x))
+
+
+# The LM architectures of the family (settings' "model"; absent: "gpt2_qkv").
+LM_ARCHITECTURES = ("gpt2_qkv", "nnx_mha")
+
+
+def make_lm_model(s: train_lm.LMSettings, model: Optional[dict] = None) -> nnx.Module:
+  """``examples/train_lm.py``'s transformer (fused 2-D qkv kernel), or with
+  ``model["model"] == "nnx_mha"`` `NNXTransformerLM`; initialized from ``s.seed``."""
+  architecture = (model or {}).get("model", "gpt2_qkv")
+  if architecture == "nnx_mha":
+    return NNXTransformerLM(seq_len=s.seq_len, d_model=s.d_model, num_layers=s.num_layers,
+                            num_heads=s.num_heads, rngs=nnx.Rngs(s.seed))
+  if architecture != "gpt2_qkv":
+    raise ValueError(f"LM model must be one of {LM_ARCHITECTURES}, got {architecture!r}.")
+  return train_lm.make_model(s)
+
+
 def run_lm_variant(t: Training, variant: str, seed: int, data,
                    model: Optional[dict] = None) -> dict:
-  """One LM run; ``model`` (default `LM_MODEL`) may also set ``evaluations``."""
+  """One LM run; ``model`` (default `LM_MODEL`) may also set ``evaluations``
+  and ``model`` (the architecture, see `make_lm_model`)."""
   train, val, _ = data
   s = lm_settings(t, seed, model)
-  trainer = C.Trainer(train_lm.make_model(s), make_optimizer(variant, t, seed))
+  trainer = C.Trainer(make_lm_model(s, model), make_optimizer(variant, t, seed))
   x_val, y_val = C.lm_eval_windows(val, s.eval_windows, s.seq_len)
   count = (model or {}).get("evaluations", 20)
   return train_minibatch(trainer, C.lm_batches(train, s.batch_size, s.seq_len, seed), s.steps,
@@ -701,13 +806,42 @@ def load_prose_corpus(val_fraction: float = 0.1):
   return train, val, info
 
 
+def load_docs_corpus(val_fraction: float = 0.1):
+  """The Python documentation's topics, as two byte arrays: the standard
+  library's ``pydoc_data.topics.topics`` (topic name -> the English text
+  ``help()`` shows for a keyword or statement; on every machine with Python,
+  no download), a low-entropy corpus (lzma: 1.13 nats/byte on Python 3.11).
+
+  Split by topic as `C.load_stdlib_corpus` splits by file: topics in sorted
+  order, ``crc32(name) % 1000 < 1000 * val_fraction`` goes to validation, each
+  topic's UTF-8 bytes followed by a NUL. The text is the running Python's, so
+  its sizes, topic counts and CRC-32 are part of each run's cache key.
+  """
+  import pydoc_data.topics  # pylint: disable=import-outside-toplevel
+  topics = pydoc_data.topics.topics
+  parts = {"train": [], "val": []}
+  for name in sorted(topics):
+    split = "val" if zlib.crc32(name.encode()) % 1000 < 1000 * val_fraction else "train"
+    parts[split].append(topics[name].encode("utf-8") + b"\0")
+  train_bytes, val_bytes = b"".join(parts["train"]), b"".join(parts["val"])
+  if not val_bytes or not train_bytes:
+    raise ValueError("pydoc_data.topics gave an empty split")
+  info = {"corpus": "docs", "source": "pydoc_data.topics", "train_files": len(parts["train"]),
+          "val_files": len(parts["val"]), "train_bytes": len(train_bytes),
+          "val_bytes": len(val_bytes), "crc32": zlib.crc32(val_bytes, zlib.crc32(train_bytes)),
+          "python": sys.version.split()[0]}
+  return np.frombuffer(train_bytes, np.uint8), np.frombuffer(val_bytes, np.uint8), info
+
+
 def load_corpus(name: str):
-  """``"stdlib"`` (the standard library's source) or ``"prose"``."""
+  """``"stdlib"`` (the standard library's source), ``"prose"`` or ``"docs"``."""
   if name == "stdlib":
     return C.load_stdlib_corpus()
   if name == "prose":
     return load_prose_corpus()
-  raise ValueError(f"corpus must be 'stdlib' or 'prose', got {name!r}.")
+  if name == "docs":
+    return load_docs_corpus()
+  raise ValueError(f"corpus must be 'stdlib', 'prose' or 'docs', got {name!r}.")
 
 
 # ----------------------------------------------------------------------------
@@ -786,19 +920,26 @@ PROBLEMS = {
 
 
 def lm_problem(name: str, corpus: str, *, d_model: int, num_layers: int, num_heads: int,
-               batch_size: int, seq_len: int, training: Training) -> Problem:
-  """One configuration of issue 40's LM family: validation loss on 128 fixed
-  windows, evaluated 10 times; every leaf over 4096 elements quantized."""
-  what = {"stdlib": "the Python stdlib", "prose": "package READMEs (METADATA prose)"}[corpus]
+               batch_size: int, seq_len: int, training: Training,
+               model: Optional[str] = None, seeds: int = 3) -> Problem:
+  """One configuration of the LM family (issues 40 and 50): validation loss
+  on 128 fixed windows, evaluated 10 times; every leaf over 4096 elements
+  quantized. ``model``: the architecture (`make_lm_model`; None: the
+  examples' transformer, and the settings, so the cache keys, as issue 40's)."""
+  what = {"stdlib": "the Python stdlib", "prose": "package READMEs (METADATA prose)",
+          "docs": "the Python docs' topics (pydoc_data)"}[corpus]
   clip = f"clip {training.clip_norm:g}" if training.clip_norm else "no clipping"
+  settings = {"corpus": corpus, "batch_size": batch_size, "seq_len": seq_len,
+              "d_model": d_model, "num_layers": num_layers, "num_heads": num_heads,
+              "eval_windows": 128, "evaluations": NUM_CHECKPOINTS}
+  if model is not None:
+    settings["model"] = model
+  arch = {None: "byte-level LM", "nnx_mha": "byte-level Flax NNX LM (nnx.MultiHeadAttention)"}
   return Problem(
-      name, f"byte-level LM on {what}: {num_layers}x{d_model}, {num_heads} heads, "
+      name, f"{arch[model]} on {what}: {num_layers}x{d_model}, {num_heads} heads, "
       f"batch {batch_size}x{seq_len}, lr {training.learning_rate:g}, {clip}",
-      training, seeds=3, metric="val_loss", report_steps=(training.steps,), quick_steps=40,
-      goals=(Goal(("adamw_4bit",), 0.005),), family="lm",
-      settings={"corpus": corpus, "batch_size": batch_size, "seq_len": seq_len,
-                "d_model": d_model, "num_layers": num_layers, "num_heads": num_heads,
-                "eval_windows": 128, "evaluations": NUM_CHECKPOINTS})
+      training, seeds=seeds, metric="val_loss", report_steps=(training.steps,), quick_steps=40,
+      goals=(Goal(("adamw_4bit",), 0.005),), family="lm", settings=settings)
 
 
 # Issue 40's setting: warmup_cosine_decay_schedule(0, 3e-3, 100, 800), weight
@@ -825,17 +966,116 @@ LM_FAMILY = (
                training=Training(steps=800, learning_rate=1e-3, weight_decay=0.01,
                                  min_quantize_size=4096, warmup_steps=100, clip_norm=1.0)),
 )
+# Issue 50's low-entropy LMs: a Flax NNX model in its own layers on the Python
+# docs' topics, 6 seeds by default (the issue's figures need 6 paired seeds).
+LOW_ENTROPY_LM_FAMILY = (
+    lm_problem("lm_docs_nnx_issue50", "docs", d_model=192, num_layers=2, num_heads=4,
+               batch_size=16, seq_len=128, training=ISSUE40_TRAINING, model="nnx_mha",
+               seeds=6),
+    lm_problem("lm_docs_nnx_1500", "docs", d_model=192, num_layers=2, num_heads=4,
+               batch_size=16, seq_len=128, model="nnx_mha", seeds=6,
+               training=dataclasses.replace(ISSUE40_TRAINING, steps=1500)),
+)
+LM_FAMILY += LOW_ENTROPY_LM_FAMILY
 PROBLEMS.update({p.name: p for p in LM_FAMILY})
 
 
+# The committed run store: what the report needs of each run, one small file
+# per run, so that a later session (on a fresh machine) resumes where the
+# last one stopped. Read before training; written after each run.
+RUN_STORE = os.path.join(RESULTS, "quality_runs")
+# The fields of a run the report reads (the per-step training losses are left out).
+STORED_FIELDS = ("steps", "metrics", "params", "state_bytes", "state_bytes_per_param", "wall_s",
+                 "library")
+# Stored runs larger than this (the full-batch problems' per-step losses) are gzipped.
+STORE_GZIP_BYTES = 16384
+
+
+def stored_run_path(problem: str, variant: str, steps: int, seed: int) -> str:
+  """The stem of a run's file in `RUN_STORE` (``.json`` or ``.json.gz`` follows)."""
+  return os.path.join(RUN_STORE, problem, f"{variant}_steps{steps}_seed{seed}")
+
+
+def _json_default(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  return str(x)
+
+
+def canonical_key(key: dict) -> dict:
+  """``key`` as it reads back from JSON (what a stored run's key is compared to)."""
+  return json.loads(json.dumps(key, sort_keys=True, default=_json_default))
+
+
+def load_stored_run(stem: str, key: dict) -> Optional[dict]:
+  """The stored run at ``stem`` if its cache key is ``key`` (None otherwise)."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  for path, opener in ((stem + ".json", open), (stem + ".json.gz", gzip.open)):
+    if os.path.exists(path):
+      with opener(path, "rt") as f:
+        run = json.load(f)
+      if run.get("cache_key") == canonical_key(key):
+        return run
+  return None
+
+
+def store_run(stem: str, run: dict) -> None:
+  """Writes `STORED_FIELDS` and the cache key of ``run`` at ``stem`` (one
+  line of JSON, gzipped above `STORE_GZIP_BYTES`), replacing either form."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  record = {k: run[k] for k in STORED_FIELDS if k in run}
+  record["cache_key"] = run["cache_key"]
+  text = json.dumps(record, sort_keys=True, separators=(",", ":"), default=_json_default) + "\n"
+  os.makedirs(os.path.dirname(stem), exist_ok=True)
+  big = len(text) > STORE_GZIP_BYTES
+  path, other = (stem + ".json.gz", stem + ".json") if big else (stem + ".json", stem + ".json.gz")
+  if big:
+    with gzip.GzipFile(path, "wb", mtime=0) as f:  # mtime 0: the same run, the same bytes
+      f.write(text.encode())
+  else:
+    with open(path, "w") as f:
+      f.write(text)
+  if os.path.exists(other):
+    os.remove(other)
+
+
+def library_provenance() -> dict:
+  """Which optax4bit trained a run (not part of its key): the git commit of
+  the checkout it is imported from and whether its ``optax4bit/`` differs
+  from that commit, or the commit a snapshot without git records in a
+  ``COMMIT`` file beside its ``optax4bit/``."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(optax4bit.__file__)))
+  recorded = os.path.join(root, "COMMIT")
+  if os.path.exists(recorded):
+    with open(recorded) as f:
+      return {"commit": f.read().strip(), "snapshot": True}
+  try:
+    git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,
+                                    check=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified": bool(git("status", "--porcelain", "--", "optax4bit"))}
+  except (OSError, subprocess.CalledProcessError):
+    return {"commit": None}
+
+
 def run_problem_variant(problem: Problem, t: Training, variant: str, seed: int, data, *,
-                        fresh: bool) -> dict:
-  """One cached run."""
+                        fresh: bool, store: bool = True) -> dict:
+  """One cached run: from `RUN_STORE` if it holds this run, else from the
+  local cache under ``runs/bench/quality/``, else trained. With ``store``,
+  the run is written to `RUN_STORE` (if it is not there yet)."""
   key = {"problem": problem.name, "training": dataclasses.asdict(t),
          "settings": problem.settings, "variant": variant,
          "quantizers": variant_quantizers(variant), "seed": seed}
   if problem.kind == "lm":
     key["corpus"] = data[2]
+  stem = stored_run_path(problem.name, variant, t.steps, seed)
+  if not fresh:
+    stored = load_stored_run(stem, key)
+    if stored is not None:
+      return {**stored, "cached": True}
   path = os.path.join(CACHE, "quality", problem.name, f"{variant}_steps{t.steps}_seed{seed}.json")
 
   def fresh_run():
@@ -850,9 +1090,13 @@ def run_problem_variant(problem: Problem, t: Training, variant: str, seed: int, 
       out = run_full_batch({"lsq": least_squares, "mlp": teacher_mlp,
                             "sciml": fourier_mlp}[problem.name], t, variant, seed)
     out["wall_s"] = time.perf_counter() - start
+    out["library"] = library_provenance()
     return out
 
-  return C.run_cached(path, key, fresh_run, fresh=fresh)
+  run = C.run_cached(path, key, fresh_run, fresh=fresh)
+  if store:
+    store_run(stem, run)
+  return run
 
 
 # ----------------------------------------------------------------------------
@@ -1095,7 +1339,7 @@ def diagnose_lm(problem: Problem, t: Training, variant: str, seed: int, data,
   s = lm_settings(t, seed, problem.settings)
   tx = diagnostics.with_fp32_shadow(make_optimizer(variant, dataclasses.replace(t, clip_norm=None),
                                                    seed))
-  trainer = C.Trainer(train_lm.make_model(s), tx)
+  trainer = C.Trainer(make_lm_model(s, problem.settings), tx)
   batches = C.lm_batches(train, s.batch_size, s.seq_len, seed)
   rows = []
   for step in range(1, max(at) + 1):
@@ -1172,14 +1416,15 @@ def load_data(problem):
 
 
 def benchmark_problem(problem: Problem, t: Training, variants: list, seeds: list, *,
-                      fresh: bool, write: bool) -> dict:
+                      fresh: bool, write: bool, store: bool = True) -> dict:
+  """Trains (or reads) every run, seed by seed (so that each seed's pairs
+  complete before the next seed starts), and reports the paired gaps."""
   start = time.perf_counter()
   data = load_data(problem)
-  runs = {}
-  for variant in variants:
-    runs[variant] = []
-    for seed in seeds:
-      r = run_problem_variant(problem, t, variant, seed, data, fresh=fresh)
+  runs = {variant: [] for variant in variants}
+  for seed in seeds:
+    for variant in variants:
+      r = run_problem_variant(problem, t, variant, seed, data, fresh=fresh, store=store)
       runs[variant].append(r)
       print(f"  {problem.name} {variant} seed {seed}: {problem.metric} "
             f"{r['metrics'][problem.metric][-1]:.5g}"
@@ -1254,7 +1499,11 @@ def main(argv=None) -> dict:
                       help="smoke test: few steps, 2 seeds, writes nothing under benchmarks/")
   parser.add_argument("--fresh", action="store_true", help="retrain cached runs")
   parser.add_argument("--no-write", action="store_true",
-                      help="do not write benchmarks/plots and benchmarks/results")
+                      help="do not write benchmarks/plots and benchmarks/results/"
+                      "quality_paired.json (runs are still stored, see --no-store)")
+  parser.add_argument("--no-store", action="store_true",
+                      help="do not write the runs to benchmarks/results/quality_runs/ "
+                      "(--quick does not either)")
   parser.add_argument("--diagnose", type=int, nargs="+", default=None, metavar="STEP",
                       help="instead of the benchmark: optax4bit.diagnostics of the quantized "
                       "variants of the chosen LM problems at these steps (first seed), "
@@ -1277,7 +1526,8 @@ def main(argv=None) -> dict:
     steps = args.steps or (problem.quick_steps if args.quick else problem.training.steps)
     t = training_for(problem, steps)
     seeds = args.seeds or list(range(2 if args.quick else problem.seeds))
-    results[name] = benchmark_problem(problem, t, variants, seeds, fresh=args.fresh, write=write)
+    results[name] = benchmark_problem(problem, t, variants, seeds, fresh=args.fresh, write=write,
+                                      store=not (args.no_store or args.quick))
   print("\n## Summary: mean paired gap % (± se) at the last step\n")
   print(summary_table(results))
   if write:  # problems not run keep their previous entry
