@@ -22,7 +22,13 @@ address and one load. Three kinds of table, each exact:
   next one (``inf`` after the last, where stochastic rounding's probability
   is then 0) and that distance's correctly rounded reciprocal (0 for
   ``inf``), from which the kernels finish the division ``d / gap`` in two
-  fused multiply-adds.
+  fused multiply-adds. A ``stall_only`` spec's table has a fourth column,
+  the nearest rounding's threshold between each entry and the next
+  (`optax4bit.quant.maps.midpoint_thresholds`, ``inf`` after the last), so
+  that the stall rule's nearest code is its stochastic bracket's lower code
+  plus one comparison (`_math.encode_stochastic`); for a map whose first two
+  entries are equal (``DE-0``, ``SqrtDE-0``) a fifth, the threshold from the
+  entry before, and a second comparison.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def decode_pairs(spec: QuantSpec) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def _entry_gaps(mapping: str, signed: bool) -> np.ndarray:
+def _entry_gaps(mapping: str, signed: bool, midpoints: bool) -> np.ndarray:
   table = maps.qmap(mapping, 4, signed)
   gaps = np.append(np.diff(table), np.float32(np.inf)).astype(np.float32)
   # `_math.KernelMath.probability` divides by these without a range check.
@@ -63,13 +69,36 @@ def _entry_gaps(mapping: str, signed: bool) -> np.ndarray:
   # Times -2**24: exact (the entries are 0 or normal, at most 1), and negated so
   # that the kernels' difference is one fused multiply-add without a negation.
   scaled = table.astype(np.float32) * np.float32(-(2.0**24))
-  return np.stack([scaled, gaps, reciprocals], axis=1).astype(np.float32)
+  columns = [scaled, gaps, reciprocals]
+  if midpoints:
+    # Nearest rounding's code counts the thresholds below ``n``; each lies in
+    # [entry, next entry], so for the bracket's ``lower`` (``entries[lower] <=
+    # n < entries[lower + 1]`` where ``n`` is in the table's range) those
+    # after ``lower``'s are above ``n``. Where each is below the next entry,
+    # those before are below ``n``, and the code is ``lower + (n >
+    # thresholds[lower])`` (`_math.encode_stochastic`). Where the first two
+    # entries are equal, the threshold between them is that entry, which
+    # ``n`` need not pass; the bracket's ``lower`` is then never 0 (the
+    # reference clips ``n`` to the first entry, which counts the second), and
+    # the code is ``lower - 1 + (n > thresholds[lower - 1]) + (n >
+    # thresholds[lower])``, with ``thresholds[lower - 1]`` a fifth column.
+    thresholds = maps.midpoint_thresholds(mapping, 4, signed)
+    assert np.all((table[:-1] <= thresholds) & (thresholds <= table[1:])), mapping
+    columns.append(np.append(thresholds, np.float32(np.inf)))
+    if not np.all(thresholds < table[1:]):
+      assert table[0] == table[1] and np.all(thresholds[1:] < table[2:]), mapping
+      # Row 0 is never read (``-inf``, as if no threshold were before it).
+      columns.append(np.insert(thresholds, 0, np.float32(-np.inf)))
+  return np.stack(columns, axis=1).astype(np.float32)
 
 
 def entry_gaps(spec: QuantSpec) -> np.ndarray:
   """``(16, 3)`` float32: each table entry times ``-2**24``, the gap to the
-  next entry and the gap's correctly rounded reciprocal."""
-  return _entry_gaps(spec.mapping, spec.signed)
+  next entry and the gap's correctly rounded reciprocal; for a ``stall_only``
+  spec, then the nearest rounding's threshold to the next entry, and for a
+  map whose first two entries are equal the one from the entry before (see
+  module)."""
+  return _entry_gaps(spec.mapping, spec.signed, spec.stall_only)
 
 
 def _bucket_bounds(mantissa: int) -> tuple:

@@ -57,7 +57,10 @@ coefficients) and draws, for the element at row ``r`` and column ``c`` of the
 ``(R, D)`` view, the hashed uniform of flat index ``r * D + c`` (modulo
 2**32; for a shard, ``base[r] + c`` with the row's index in the whole leaf as
 an input), exactly `optax4bit.quant.maps.hashed_uniform`'s draw for that
-element, whatever the tiling. On the GPU, what decides a code reproduces the
+element, whatever the tiling. A ``stall_only`` moment (stochastic rounding
+only where the nearest code is the stored one) takes its stored codes from the
+bytes of the old moment it overwrites, which the step pass loads to decode
+anyway. On the GPU, what decides a code reproduces the
 correctly rounded division exactly, and the update's division and square root
 are approximate (`_math.KernelMath`). Where the tiles cover the leaf exactly
 (`Geometry.exact`), the kernels carry no masks.
@@ -151,6 +154,9 @@ class _Plan:
   dense_out: tuple    # dtypes
   new: tuple          # Formats of the new (encoded) moments
   old_read: tuple     # per old moment: whether this pass reads it (else zeros)
+  # Per new moment, the old moment whose codes its stall rule compares with
+  # (``stall_only`` specs; None: no rule). Empty where no moment has one.
+  stall: tuple = ()
 
 
 def _scale_count(fmt: Format) -> int:
@@ -295,16 +301,19 @@ class _Tile:
 
 
 def _inputs(plan: _Plan, refs: _Refs, tile: _Tile):
-  """The step function's inputs, per half: ``(dense, old, side)``."""
+  """The step function's inputs, per half: ``(dense, old, side)``; and per
+  old moment its int32 code bytes (None where this pass does not read it)."""
   geo = plan.geo
   dense = list(zip(*(tile.load_halves(ref) for ref in refs.dense))) or [(), ()]
-  old = [[], []]
+  old, old_bytes = [[], []], []
   for fmt, moment, table in zip(plan.old, refs.old, refs.decode_tables):
     if not moment:  # not needed in this pass (and possibly overwritten already)
       for h in range(2):
         old[h].append(jnp.zeros(geo.tile, jnp.float32))
+      old_bytes.append(None)
       continue
     packed = _load(moment[0], (tile.row, tile.byte), tile.valid).astype(jnp.int32)
+    old_bytes.append(packed)
     values = _math.decode_bytes(packed, table, _gather_row)
     scale = tile.per_element(fmt, moment[1:], jnp.minimum)
     for h in range(2):
@@ -319,7 +328,7 @@ def _inputs(plan: _Plan, refs: _Refs, tile: _Tile):
       values = tuple(_load(ref, (lead_index, c), v) for c, v in zip(tile.cols, tile.valids))
     for h in range(2):
       side[h].append(values[h])
-  return [(tuple(dense[h]), tuple(old[h]), tuple(side[h])) for h in range(2)]
+  return [(tuple(dense[h]), tuple(old[h]), tuple(side[h])) for h in range(2)], old_bytes
 
 
 def _program_ids(geo: Geometry):
@@ -352,7 +361,8 @@ def _stats_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
   i, j = _program_ids(geo)
   tile = _Tile.of_program(geo, i, j)
   coef = tuple(refs.coef[k] for k in range(plan.num_coef))
-  results = [fn(_math.KernelMath(triton), coef, *args) for args in _inputs(plan, refs, tile)]
+  halves, _ = _inputs(plan, refs, tile)
+  results = [fn(_math.KernelMath(triton), coef, *args) for args in halves]
   segment, segment_valid = _segment_index(geo, i, j)
   out = iter(refs.out)
   for k, fmt in enumerate(plan.new):
@@ -379,7 +389,8 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
   tile = _Tile.of_program(geo, i, j)
   kmath = _math.KernelMath(triton)
   coef = tuple(refs.coef[k] for k in range(plan.num_coef))
-  results = [fn(kmath, coef, *args) for args in _inputs(plan, refs, tile)]
+  halves, old_bytes = _inputs(plan, refs, tile)
+  results = [fn(kmath, coef, *args) for args in halves]
   out = iter(refs.out)
   for k in range(len(plan.dense_out)):
     tile.store_halves(next(out), (results[0][0][k], results[1][0][k]))
@@ -398,8 +409,14 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
     if spec.stochastic:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=True)
       scaled_uniform = tile.scaled_uniforms(refs.seeds[k], refs.row_bases)
+      stored = (None, None)
+      if plan.stall and plan.stall[k] is not None:
+        # The stall rule's stored codes: the nibbles of the old moment's bytes
+        # that this pass decoded (masked bytes load as 0 and are not stored).
+        packed = old_bytes[plan.stall[k]]
+        stored = (packed & 15, jax.lax.shift_right_logical(packed, np.int32(4)))
       codes = [_math.encode_stochastic(n[h], scaled_uniform[h], bucket, *tables, _gather_row,
-                                       kmath.probability) for h in range(2)]
+                                       kmath.probability, stored[h]) for h in range(2)]
     else:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=False)
       codes = [_math.encode_nearest(n[h], spec, bucket, tables[0] if tables else None,
@@ -474,7 +491,10 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
     dense_out: dtypes of the dense outputs.
     new: ``(spec, dtype)`` of the moments to encode.
     alias: per new moment, the index of the old moment whose buffers it
-      overwrites (or None).
+      overwrites (or None). A ``stall_only`` new moment's rule compares with
+      that old moment's codes, the codes it replaces (without one it rounds
+      stochastically everywhere, as `optax4bit.quant.array.encode` does
+      without stored codes).
     seeds: per new moment, the uint32 seed of its stochastic rounding
       (`optax4bit.quant.maps.rounding_seed` of its key), or None for nearest
       rounding. Element ``e`` (flat index in the leaf) draws
@@ -504,10 +524,11 @@ def run(fn: Callable, *, shape: tuple, coef: Optional[jax.Array] = None,
       raise ValueError(f"{spec} rounds stochastically and needs a seed.")
   seeded = any(spec.stochastic for spec, _ in new)
   row_based = seeded and row_bases is not None
+  stall = tuple(a if spec.stall_only else None for (spec, _), a in zip(new, alias))
   plan = _Plan(geo, 0 if coef is None else int(coef.shape[0]), seeded, row_based,
                len(dense_in), old_fmts,
                tuple(s for _, s in side), tuple(jnp.dtype(d) for d in dense_out), new_fmts,
-               (True,) * len(old))
+               (True,) * len(old), stall if any(a is not None for a in stall) else ())
   head = ([] if coef is None else [coef.astype(jnp.float32)])
   if seeded:
     head.append(jnp.stack([jnp.zeros((), jnp.uint32) if seed is None or not spec.stochastic

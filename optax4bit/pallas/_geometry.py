@@ -145,8 +145,6 @@ def geometry(shape: tuple, specs: Sequence[QuantSpec], tile_bytes: int = DEFAULT
 
 def moment_format(spec: QuantSpec, geo: Geometry) -> Format:
   check_spec(spec)
-  if spec.stall_only:
-    raise Unsupported(f"{spec}: the fused steps have no stall-only rounding yet.")
   layout = _layout(spec, geo.shape)
   if layout.normalization == "block":
     if layout.rows_per_block > 1:

@@ -182,7 +182,8 @@ DRAW_SCALE = np.float32(2.0**24)
 
 
 def encode_stochastic(n, scaled_uniform, bucket: BucketTable, table, gaps,
-                      gather_row: GatherRow, probability=lambda d, gap, reciprocal: d / gap):
+                      gather_row: GatherRow, probability=lambda d, gap, reciprocal: d / gap,
+                      stored=None):
   """`maps.encode_stochastic` (int32 codes) of ``n`` and the draws ``u``
   given as ``scaled_uniform = u * 2**24`` (`maps.scaled_uniform_of_folded_index`),
   a quiet NaN coded as 0's code: its lookup gives 0's ``lower``, and its
@@ -201,12 +202,27 @@ def encode_stochastic(n, scaled_uniform, bucket: BucketTable, table, gaps,
   would be subnormal (``n - entry`` subnormal, every entry being 0 or far
   above 2**-126), only ``u = 0`` can decide, and both sides are positive
   exactly when ``n > entry``.
+
+  ``stored``: the int32 codes that ``n`` replaces, for the stall rule of a
+  ``stall_only`` spec (`optax4bit.quant.array.encode`): the stochastic code
+  where the nearest code is ``stored``, the nearest code elsewhere. The
+  nearest code is ``lower`` plus whether ``n`` is above nearest rounding's
+  threshold after ``lower`` (the fourth column of a ``stall_only`` spec's
+  ``gaps``); for a map whose first two entries are equal, ``lower - 1`` plus
+  whether it is above that threshold and above the one before (the fifth; see
+  `_codebook`): `maps.encode_nearest`'s code, NaN included (no comparison
+  with NaN holds, and its ``lower`` is 0's, whose nearest code it gives).
   """
   lower = count_below(n, bucket, table, gather_row)
-  negated_scaled_low_value, gap, reciprocal = gather_row(gaps, lower)
+  negated_scaled_low_value, gap, reciprocal, *thresholds = gather_row(gaps, lower)
   scaled_difference = n * DRAW_SCALE + negated_scaled_low_value
-  return lower + (scaled_uniform < probability(scaled_difference, gap, reciprocal)).astype(
-      jnp.int32)
+  round_up = scaled_uniform < probability(scaled_difference, gap, reciprocal)
+  if stored is None:
+    return lower + round_up.astype(jnp.int32)
+  nearest = lower + (n > thresholds[0]).astype(jnp.int32)
+  if len(thresholds) > 1:  # the first two entries are equal (then lower >= 1)
+    nearest = nearest + ((n > thresholds[1]).astype(jnp.int32) - 1)
+  return jnp.where(nearest == stored, lower + round_up.astype(jnp.int32), nearest)
 
 
 # The key of |x| = 0 (`finite_abs_key`).

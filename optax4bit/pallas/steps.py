@@ -5,7 +5,8 @@ lowering, or interpret mode), or declines a leaf the kernels do not cover:
 leaves kept in float32, 8-bit quantizers, blocks of one element, and a
 block-wise moment whose blocks are smaller than another block-wise moment's
 of the same leaf. The kernels cover every 4-bit quantizer (maps ``DE``,
-``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``, ``SqrtLinear``; nearest and stochastic rounding).
+``DE-0``, ``Linear``, ``NF``, ``SqrtDE-0``, ``SqrtLinear``; nearest and stochastic rounding,
+and the stall rule of ``stall_only`` specs).
 Stochastic rounding draws the jnp reference's numbers: each moment's PRNG key
 becomes a uint32 seed (`optax4bit.quant.maps.rounding_seed`) and the kernel
 hashes each element's flat index in the global leaf
