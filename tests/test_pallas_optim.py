@@ -56,6 +56,11 @@ SHAPES = {"a": (5, 301), "g": (3, 4, 20), "v": (257,)}
 
 B1, B2, MOMENTUM = 0.9, 0.999, 0.9
 
+# The default recipe's quantizers with the stall rule (issue 50): stochastic
+# rounding only where rounding to nearest would keep the stored code.
+M_STALL = optax4bit.recipes.RECIPES["default"].first_moment.replace(stall_only=True)
+V_STALL = optax4bit.recipes.RECIPES["default"].second_moment.replace(stall_only=True)
+
 
 def _params(shapes, dtype=jnp.float32):
   rng = np.random.RandomState(0)
@@ -106,6 +111,15 @@ VARIANTS = {
     "sgdm_4bit": (functools.partial(optax4bit.sgdm_4bit, 1e-2, MOMENTUM),
                   lambda g, old: (g + MOMENTUM * old[0],)),
 }
+# The alias chains with the stall rule on m ("_stall_m"), v ("_stall_v") or
+# every moment ("_stall").
+for _name, _kwargs in {"adamw_4bit_stall_m": dict(first_moment=M_STALL),
+                       "adamw_4bit_stall_v": dict(second_moment=V_STALL),
+                       "adamw_4bit_stall": dict(first_moment=M_STALL, second_moment=V_STALL),
+                       "adamw_4bit_factor_stall": dict(first_moment=M_STALL),
+                       "sgdm_4bit_stall": dict(first_moment=M_STALL)}.items():
+  _make, _new_moments = VARIANTS[_name.rsplit("_stall", 1)[0]]
+  VARIANTS[_name] = (functools.partial(_make, **_kwargs), _new_moments)
 
 
 def _inner(state):
@@ -151,25 +165,33 @@ def _near_stochastic_tie(n64, table, uniform, ulps: float = 8.0) -> np.ndarray:
   return close.any(axis=-1)
 
 
+def _unpacked(q: QuantizedArray) -> np.ndarray:
+  return np.asarray(optax4bit.quant.array.packing.unpack(q.codes, q.shape[-1], 4))
+
+
+def _normalized64(q: QuantizedArray, value64: np.ndarray) -> np.ndarray:
+  """float64 ``value64`` over ``q``'s scales."""
+  scale = np.asarray(normalize.expand_scales(q.scales, q.layout, q.shape), np.float64)
+  return np.where(scale > 0, value64 / np.where(scale > 0, scale, 1), 0)
+
+
 def _check_codes(new_ref: QuantizedArray, new_pal: QuantizedArray, value64: np.ndarray,
                  uniform=None):
   """Codes equal except at ties of the float64 new moment (for stochastic
-  rounding: where its draw ``uniform`` equals the round-up probability)."""
-  codes_ref = np.asarray(optax4bit.quant.array.packing.unpack(new_ref.codes, new_ref.shape[-1], 4))
-  codes_pal = np.asarray(optax4bit.quant.array.packing.unpack(new_pal.codes, new_pal.shape[-1], 4))
-  differ = codes_ref != codes_pal
+  rounding: where its draw ``uniform`` equals the round-up probability; for
+  the stall rule, also where rounding to nearest is at a tie)."""
+  differ = _unpacked(new_ref) != _unpacked(new_pal)
   if differ.any():
-    scale = np.asarray(normalize.expand_scales(new_ref.scales, new_ref.layout, new_ref.shape),
-                       np.float64)
-    n64 = np.where(scale > 0, value64 / np.where(scale > 0, scale, 1), 0)
+    n64 = _normalized64(new_ref, value64)
     table = optax4bit.qmap(new_ref.spec.mapping, 4, new_ref.spec.signed)
-    if new_ref.spec.stochastic:
-      tie = _near_stochastic_tie(n64, table, uniform)
-    elif new_ref.spec.mapping in ("SqrtDE-0", "SqrtLinear"):  # nearest in the square root
+    if new_ref.spec.mapping in ("SqrtDE-0", "SqrtLinear"):  # nearest in the square root
       roots = optax4bit.qmap(new_ref.spec.mapping[len("Sqrt"):], 4, False)
       tie = near_midpoint(np.sqrt(np.maximum(n64, 0)), roots, ulps=8)
     else:
       tie = near_midpoint(n64, table, ulps=8)
+    if new_ref.spec.stochastic:
+      stochastic_tie = _near_stochastic_tie(n64, table, uniform)
+      tie = (tie | stochastic_tie) if new_ref.spec.stall_only else stochastic_tie
     assert tie[differ].all(), f"{int(differ.sum())} codes differ away from rounding ties"
   for a, b in zip(new_ref.scales, new_pal.scales):
     assert _ulps_of_max(a, b, jnp.float32) <= 2.0
@@ -187,8 +209,12 @@ def _rounding_uniforms(state, params) -> dict:
 
 
 def _teacher_forced(variant: str, shapes, dtype=jnp.float32, steps: int = 50,
-                    config: PallasConfig = INTERPRET):
-  """Runs the jnp and Pallas steps from the same (reference) state."""
+                    config: PallasConfig = INTERPRET, exact_codes: bool = False) -> list:
+  """Runs the jnp and Pallas steps from the same (reference) state
+  (``exact_codes``: every code equal). Returns, per step, leaf and
+  ``stall_only`` moment, the fraction of elements whose nearest code (of the
+  float64 new moment) is the stored one: where the stall rule rounds
+  stochastically."""
   make, new_moments = VARIANTS[variant]
   tx_ref = make(min_quantize_size=0, implementation="jnp")
   tx_pal = make(min_quantize_size=0, implementation=config)
@@ -200,7 +226,7 @@ def _teacher_forced(variant: str, shapes, dtype=jnp.float32, steps: int = 50,
     return grads, tx_ref.update(grads, state, params), tx_pal.update(grads, state, params)
 
   state = tx_ref.init(params)
-  worst_update = 0.0
+  worst_update, stalled = 0.0, []
   for i in range(steps):
     old = _moments(state)
     uniforms = _rounding_uniforms(state, params)
@@ -212,12 +238,19 @@ def _teacher_forced(variant: str, shapes, dtype=jnp.float32, steps: int = 50,
       g64 = np.asarray(grads[k], np.float64)
       old64 = [np.asarray(optax4bit.dequantize(q), np.float64) for q in old[k]]
       values = new_moments(g64, old64)
-      for ref, pal, value, u in zip(_moments(s_ref)[k], _moments(s_pal)[k], values,
-                                    uniforms[k]):
+      for ref, pal, value, u, stored in zip(_moments(s_ref)[k], _moments(s_pal)[k], values,
+                                            uniforms[k], old[k]):
+        if exact_codes:
+          np.testing.assert_array_equal(_unpacked(pal), _unpacked(ref), err_msg=f"{k}, step {i}")
         _check_codes(ref, pal, value, u)
+        if ref.spec.stall_only:
+          n = jnp.asarray(_normalized64(ref, value), jnp.float32)
+          nearest = maps.encode_nearest(n, ref.spec.mapping, 4, ref.spec.signed)
+          stalled.append(float(np.mean(np.asarray(nearest) == _unpacked(stored))))
     state = s_ref
   limit = 4.0 if dtype == jnp.float32 else 1.0
   assert worst_update <= limit, worst_update
+  return stalled
 
 
 def test_adam_teacher_forced_50_steps():
@@ -280,6 +313,31 @@ def test_default_recipe_matches_jnp(variant, dtype):
   # adamw_4bit's 2-D leaf (Factor's is factored).
   assert _count_pallas_calls(tx, params) == (3 if variant == "adamw_4bit" else 2)
   _teacher_forced(variant, shapes, dtype=dtype, steps=3, config=INTERPRET_ROWS)
+
+
+@pytest.mark.parametrize("variant,shapes", [
+    ("adamw_4bit_stall", {"a": SHAPES["a"]}),
+    pytest.param("adamw_4bit_stall", SHAPES, marks=pytest.mark.slow),
+    pytest.param("adamw_4bit_stall_m", SHAPES, marks=pytest.mark.slow),
+    pytest.param("adamw_4bit_stall_v", SHAPES, marks=pytest.mark.slow),
+    pytest.param("adamw_4bit_factor_stall", SHAPES, marks=pytest.mark.slow),
+    pytest.param("sgdm_4bit_stall", SHAPES, marks=pytest.mark.slow)])
+def test_stall_rule_matches_jnp(variant, shapes):
+  """``stall_only`` moments (block-wise and rank-1 encodes; on a ragged 2-D
+  leaf by default, with blocks of several short rows and a 1-D leaf with -m
+  slow) run the kernels, as many as without the rule, and their codes are the
+  jnp engine's bit for bit (their scales, which no rounding decides, as in
+  the other tests), with the rule's both branches taken."""
+  make, _ = VARIANTS[variant]
+  base, _ = VARIANTS[variant.rsplit("_stall", 1)[0]]
+  params = _params(shapes)
+  count = lambda make: _count_pallas_calls(make(min_quantize_size=0,
+                                                implementation=INTERPRET_ROWS), params)
+  assert count(make) == count(base) > 0
+  stalled = _teacher_forced(variant, shapes, steps=3, config=INTERPRET_ROWS, exact_codes=True)
+  state = make(min_quantize_size=0, implementation="jnp").init(params)
+  assert len(stalled) == 3 * sum(q.spec.stall_only for m in _moments(state).values() for q in m)
+  assert 0.01 < np.mean(stalled) < 0.99, stalled
 
 
 @pytest.mark.slow

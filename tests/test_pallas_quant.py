@@ -255,6 +255,54 @@ def test_kernel_encoders_match_maps():
     np.testing.assert_array_equal(np.asarray(odd), table[np.arange(256) >> 4])
 
 
+def test_kernel_stall_rule_matches_the_reference():
+  """`_math.encode_stochastic` with stored codes (``stall_only``): the
+  stochastic code where the nearest code is the stored one, the nearest code
+  elsewhere, as `optax4bit.quant.array.encode`, bit for bit for every 4-bit
+  map; on and beside every nearest threshold (where the kernel's nearest
+  code, the bracket's lower code plus one comparison, could go wrong),
+  entries, specials and NaNs, with stored codes equal to the nearest ones for
+  half the elements (both branches)."""
+  seed = maps.rounding_seed(KEY)
+  rng = np.random.RandomState(1)
+  for mapping, signed in _TABLES:
+    spec = QuantSpec.parse(f"B128/{mapping}", signed=signed, stochastic=True, stall_only=True)
+    table = optax4bit.qmap(mapping, 4, signed)
+    mids = maps.midpoint_thresholds(mapping, 4, signed)
+    edges = [mids, np.nextafter(mids, np.float32(2)), np.nextafter(mids, np.float32(-2)),
+             table, np.nextafter(table, np.float32(2)), np.nextafter(table, np.float32(-2)),
+             np.float32([0.0, -0.0, np.inf, -np.inf, table[0] / 2, -1e-40, 1e-40]),
+             np.uint32([0xFFC00000, 0x7FFFFFFF, 0x7FC00001]).view(np.float32)]
+    n = np.concatenate(edges + [rng.uniform(-1.2 if signed else -0.1, 1.2, 512)])
+    n = jnp.asarray(np.resize(n.astype(np.float32), (8, 128)))
+    u = maps.hashed_uniform(seed, n.shape)
+    index = jnp.arange(n.size, dtype=jnp.uint32).reshape(n.shape)
+    scaled_u = maps.scaled_uniform_of_folded_index(maps.fold16(index), maps.fold16(seed))
+    reference_n = jnp.where(jnp.isnan(n), 0.0, n)
+    nearest = maps.encode_nearest(reference_n, mapping, 4, signed).astype(jnp.int32)
+    stochastic = maps.encode_stochastic(reference_n, u, mapping, 4, signed).astype(jnp.int32)
+    stored = jnp.where(jnp.asarray(rng.rand(*n.shape) < 0.5), nearest,
+                       jnp.asarray(rng.randint(0, 16, n.shape), jnp.int32))
+    want = jnp.where(nearest == stored, stochastic, nearest)
+    bracket = _codebook.bucket_table(mapping, signed, inclusive=True)
+    got = _math.encode_stochastic(n, scaled_u, bracket, bracket.entries,
+                                  _codebook.entry_gaps(spec), _gather_row, stored=stored)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=mapping)
+    assert (nearest != stochastic).any() and (nearest != stored).any(), mapping
+
+
+def test_quantize_stall_only_rounds_stochastically():
+  """`pallas.quantize` has no stored codes: a ``stall_only`` spec rounds every
+  element stochastically, as `optax4bit.quantize` does."""
+  spec = QuantSpec.parse("B128/NF", stochastic=True, stall_only=True)
+  x = _data((5, 301), jnp.float32, True)
+  q = pallas.quantize(x, spec, key=KEY, interpret=True, tile_bytes=TILE)
+  _assert_same(q, optax4bit.quantize(x, spec, key=KEY))
+  np.testing.assert_array_equal(
+      np.asarray(q.codes),
+      np.asarray(optax4bit.quantize(x, spec.replace(stall_only=False), key=KEY).codes))
+
+
 def _linear_test_values() -> np.ndarray:
   """float32 around every Linear entry and midpoint, the specials, and a
   spread over [-2, 2]."""
