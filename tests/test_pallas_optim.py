@@ -340,6 +340,22 @@ def test_stall_rule_matches_jnp(variant, shapes):
   assert 0.01 < np.mean(stalled) < 0.99, stalled
 
 
+def test_stall_rule_takes_small_tiles_on_ragged_leaves_only():
+  """Without `PallasConfig.tile_bytes`, a ragged leaf with a ``stall_only``
+  moment runs tiles of 512 code bytes (2048 overflow 128 registers, 1024
+  spill on sm_89: benchmarks/gpu_compile.py); regular leaves and the other
+  specs keep the steps' 2048."""
+  def tile(shape, m_spec, v_spec):
+    moments = [optax4bit.quant.array.zeros(shape, jnp.float32, s) for s in (m_spec, v_spec)]
+    return pallas_steps._step_tile_bytes(shape, moments)  # pylint: disable=protected-access
+
+  default = optax4bit.recipes.RECIPES["default"]
+  assert tile((300, 301), M_STALL, default.second_moment) == 512
+  assert tile((300, 301), default.first_moment, V_STALL) == 512
+  assert tile((1024, 2048), M_STALL, V_STALL) == 2048
+  assert tile((300, 301), default.first_moment, default.second_moment) == 2048
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["adam_nesterov", "adam_b128_v", "factor", "sgdm",
                                      "adam_paper", "factor_paper", "sgdm_paper"])

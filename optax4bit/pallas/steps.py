@@ -112,6 +112,21 @@ class PallasConfig:
 _STEP_TILE_BYTES = 2 * _geometry.DEFAULT_TILE_BYTES
 
 
+def _step_tile_bytes(shape: tuple, moments: Sequence[QuantizedArray]) -> int:
+  """Code bytes per program where `PallasConfig.tile_bytes` is None:
+  `_STEP_TILE_BYTES`, except on a leaf whose tiles need masks (ragged) with a
+  ``stall_only`` moment. There the masks, the stored codes and the rule's
+  comparisons take more than 128 registers at 16 elements per thread (up to
+  164 on sm_90a, benchmarks/gpu_compile.py); at 8 (the quantizers' tile)
+  ptxas spills on sm_89 (bfloat16, 64 registers); at 4, a quarter of
+  `_STEP_TILE_BYTES`, they take 40 to 61 registers and no spill."""
+  if any(m.spec.stall_only for m in moments):
+    geo = _geometry.geometry(shape, [m.spec for m in moments], _STEP_TILE_BYTES)
+    if not geo.exact:
+      return _STEP_TILE_BYTES // 4
+  return _STEP_TILE_BYTES
+
+
 def _on_cuda() -> bool:
   if default_platform() != "gpu":
     return False
@@ -214,6 +229,8 @@ class PallasSteps:
     options = self.options
     if options.tile_bytes is None:
       options = dataclasses.replace(options, tile_bytes=_STEP_TILE_BYTES)
+      if _covers(shape, moments, options):
+        options = dataclasses.replace(options, tile_bytes=_step_tile_bytes(shape, moments))
     if not _covers(shape, moments, options):
       return None
     return run_fused(
