@@ -14,7 +14,7 @@ import optax4bit
 from optax4bit import dispatch
 from optax4bit.cpu import codec
 from optax4bit.quant import array as qarray
-from optax4bit.quant import maps, normalize
+from optax4bit.quant import maps, normalize, packing
 from optax4bit.quant.spec import QuantSpec
 from test_cpu_kernel import _runnable_isas, isa_path
 
@@ -76,6 +76,50 @@ def test_codecs_equal_the_jnp_codecs(spec, shape):
     np.testing.assert_array_equal(_bits(decoded), _bits(values), err_msg=isa)
 
 
+def _stall(name):
+  return QuantSpec.parse(name, stochastic=True, stall_only=True)
+
+
+@pytest.mark.parametrize("spec", [_stall("B128/NF"), _stall("B128/DE"), _stall("B128/DE-0"),
+                                  _stall("Rank-1/SqrtLinear"), _stall("Rank-1/SqrtDE-0"),
+                                  _stall("Rank-1/Linear")], ids=str)
+@pytest.mark.parametrize("shape", [(64, 256), (3, 16, 384)], ids=str)
+def test_codecs_stall_rule_equals_the_jnp_codecs(spec, shape):
+  """QuantSpec(stall_only=True) given the codes the values replace: the
+  stochastic code where the nearest code is the stored one, else the nearest
+  (stored codes half the nearest ones, half random, so both are taken); the
+  table's fast path (NF, SqrtLinear, Linear) and its general one (DE, DE-0,
+  SqrtDE-0). Without stored codes, plain stochastic rounding."""
+  if spec.normalization == "rank1" and len(shape) != 2:
+    shape = shape[1:]
+  layout = normalize.layout_for(spec, shape)
+  x = jnp.asarray(_values(shape, spec.signed, seed=1))
+  origin = (5,) + (0,) * (len(shape) - 1)
+  full_shape = (shape[0] + 9,) + shape[1:]
+  seed = maps.rounding_seed(jax.random.key(3))
+  bases = maps.row_hash_bases(shape, origin, full_shape)
+  uniform = maps.hashed_uniform(seed, shape, origin, full_shape)
+  scales = normalize.compute_scales(normalize.finite_abs(x), layout)
+  nearest = maps.encode_nearest(normalize.normalize(x, scales, layout), spec.mapping, 4,
+                                spec.signed)
+  k_keep, k_codes = jax.random.split(jax.random.key(4))
+  stored = packing.pack(jnp.where(jax.random.bernoulli(k_keep, 0.5, shape), nearest,
+                                  jax.random.randint(k_codes, shape, 0, 16).astype(jnp.uint8)), 4)
+  want = qarray.encode(x, scales, spec, layout, uniform, stored)
+  plain = qarray.encode(x, scales, spec, layout, uniform)
+  assert not np.array_equal(np.asarray(want), np.asarray(plain))  # the rule changes codes
+  given = None if layout.normalization == "block" else scales
+  for isa in _runnable_isas():
+    with isa_path(isa):
+      got = jax.jit(lambda v, c: codec.encode(v, spec, layout, given, seed, bases, c))(x, stored)
+      got_plain = jax.jit(lambda v: codec.encode(v, spec, layout, given, seed, bases))(x)
+      jax.block_until_ready((got, got_plain))
+    np.testing.assert_array_equal(_bits(got[0]), _bits(want), err_msg=isa)
+    np.testing.assert_array_equal(_bits(got_plain[0]), _bits(plain), err_msg=isa)
+    for got_scale, want_scale in zip(got[1], scales):
+      np.testing.assert_array_equal(_bits(got_scale), _bits(want_scale), err_msg=isa)
+
+
 @pytest.mark.parametrize("spec,shape", [
     (QuantSpec.parse("B128/DE", bits=8), (4, 256)),    # 8 bits
     (QuantSpec.parse("B64/DE"), (4, 256)),             # another block size
@@ -107,10 +151,14 @@ def _train(tx, params, steps=4):
 
 @pytest.mark.parametrize("make", [
     lambda impl: optax4bit.quantize_state(optax.adam(1e-3), implementation=impl),
+    pytest.param(lambda impl: optax4bit.quantize_state(
+        optax.adam(1e-3), implementation=impl,
+        spec_for={"mu": _stall("B128/NF"), "nu": _stall("Rank-1/SqrtLinear")}),
+                 marks=pytest.mark.slow),
     lambda impl: optax4bit.quantize_state(optax.adam(1e-3), implementation=impl, recipe="paper",
                                           chunk_size=8192),
     lambda impl: optax4bit.lion_4bit(1e-4, implementation=impl),
-], ids=["adam", "adam-paper-chunked", "lion_4bit"])
+], ids=["adam", "adam-stall", "adam-paper-chunked", "lion_4bit"])
 def test_quantize_state_with_the_codecs_equals_jnp(make):
   keys = jax.random.split(jax.random.key(0), 3)
   params = {"w": 0.1 * jax.random.normal(keys[0], (256, 512)),

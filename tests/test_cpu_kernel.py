@@ -290,6 +290,10 @@ def test_covers_both_recipes_only():
   assert cpu_ffi.covers(g, moments((4, 256), first="B128/NF", second="Rank-1/SqrtDE-0"))
   stochastic_v = optax4bit.QuantSpec.parse("Rank-1/Linear", signed=False, stochastic=True)
   assert cpu_ffi.covers(g, moments((4, 256), second=stochastic_v))
+  # The stall rule (stall_only) on either moment.
+  assert cpu_ffi.covers(g, moments((4, 256), first=_stall("B128/DE"),
+                                   second=_stall("Rank-1/SqrtLinear")))
+  assert cpu_ffi.covers_first_moment(g, moments((4, 256), first=_stall("B128/NF"))[0])
   assert not cpu_ffi.covers(g, moments((4, 256), second="Rank-1/DE-0"))
   assert not cpu_ffi.covers(g, moments((4, 256), first="B64/NF"))
 
@@ -467,6 +471,88 @@ def test_kernel_bitwise_matches_jnp_on_stacked_leaves(optimizer):
     assert_states_bitwise(s_ref, s_cpu)
 
 
+# The stall rule (QuantSpec stall_only: stochastic rounding only where the
+# nearest code is the stored one), on m, on v and on both, by the table's fast
+# path (NF, SqrtLinear, Linear) and its general one (DE, SqrtDE-0). Leaves:
+# ragged rows, a 3-D leaf (run as its rows); with -m slow also one row and a
+# last axis the kernel does not cover (jnp in both). The default run's cases
+# take two leaves: the jnp path's stall rule compiles in about 2 s a leaf.
+def _stall(name):
+  return optax4bit.QuantSpec.parse(name, stochastic=True, stall_only=True)
+
+
+STALL_SHAPES = {"a": (37, 256), "t": (3, 5, 256)}
+STALL_SHAPES_SLOW = {**STALL_SHAPES, "c": (1, 128), "d": (5, 130)}
+STOCHASTIC_NF = optax4bit.QuantSpec.parse("B128/NF", stochastic=True)
+
+
+def _stall_grads(params, step):
+  """As `_grads`: non-finite elements (step 2); a zero leaf, a column of tiny
+  values and a huge one (step 3)."""
+  key = jax.random.PRNGKey(100 + step)
+  grads = {k: 0.1 * p + 0.01 * jax.random.normal(jax.random.fold_in(key, i), p.shape, p.dtype)
+           for i, (k, p) in enumerate(params.items())}
+  if step == 2:
+    grads["a"] = grads["a"].at[5, 7].set(jnp.nan).at[9, 1].set(jnp.inf)
+  if step == 3:
+    grads["t"] = jnp.zeros_like(grads["t"])
+    grads["a"] = grads["a"].at[:, 3].set(1e-30).at[0, 0].set(1e30)
+  return grads
+
+
+def _assert_steps_bitwise(txs, shapes, grads_of, target):
+  """Updates and states of every leaf bitwise the jnp path's (txs[0]) over 4
+  steps of grads_of(params, step), on every ISA path this CPU runs; the
+  kernel (txs[1], its `target` call) runs every leaf whose last axis is a
+  multiple of 128."""
+  params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
+            for i, (k, s) in enumerate(shapes.items())}
+  covered = sum(s[-1] % 128 == 0 for s in shapes.values())
+  assert _lowered_text(txs[1], params, pass_params=False).count(target) == covered
+  for name, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
+      txs, params, (grads_of(params, step) for step in range(4)), pass_params=False):
+    for k in shapes:
+      np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
+    assert_states_bitwise(s_ref, s_cpu)
+
+
+@needs_kernel
+@pytest.mark.parametrize("first,second,nesterov,shapes", [
+    pytest.param(_stall("B128/NF"), _stall("Rank-1/SqrtDE-0"), False, STALL_SHAPES, id="both"),
+    pytest.param(_stall("B128/NF"), STOCHASTIC_SQRT_LINEAR, False, STALL_SHAPES_SLOW, id="m",
+                 marks=pytest.mark.slow),
+    pytest.param(STOCHASTIC_NF, _stall("Rank-1/SqrtLinear"), False, STALL_SHAPES_SLOW, id="v",
+                 marks=pytest.mark.slow),
+    pytest.param(_stall("B128/DE"), _stall("Rank-1/SqrtDE-0"), True, STALL_SHAPES_SLOW,
+                 id="both-general", marks=pytest.mark.slow),
+    pytest.param(_stall("B128/NF"), _stall("Rank-1/Linear"), False, STALL_SHAPES_SLOW,
+                 id="both-linear", marks=pytest.mark.slow),
+    pytest.param(_stall("B128/DE"), "Rank-1/Linear", False, STALL_SHAPES_SLOW,
+                 id="m-v-nearest", marks=pytest.mark.slow),
+])
+def test_kernel_stall_rule_bitwise_matches_jnp(first, second, nesterov, shapes):
+  txs = [optax4bit.scale_by_adam_4bit(min_quantize_size=0, nesterov=nesterov,
+                                      first_moment=first, second_moment=second,
+                                      implementation=impl) for impl in ("jnp", "cpu")]
+  _assert_steps_bitwise(txs, shapes, _stall_grads, "optax4bit_adam_4bit_apply")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind,first,shapes", [
+    pytest.param("factored", _stall("B128/DE"), STALL_SHAPES, id="factored-general"),
+    pytest.param("nesterov", _stall("B128/NF"), STALL_SHAPES_SLOW, id="nesterov",
+                 marks=pytest.mark.slow),
+    pytest.param("momentum", _stall("B128/DE"), STALL_SHAPES_SLOW, id="momentum-general",
+                 marks=pytest.mark.slow),
+    pytest.param("factored", _stall("B128/NF"), STALL_SHAPES_SLOW, id="factored",
+                 marks=pytest.mark.slow),
+])
+def test_first_moment_kernels_stall_rule_bitwise_match_jnp(kind, first, shapes):
+  """sgdm_4bit's and adamw_4bit_factor's steps with m rounded by the stall rule."""
+  txs = [_first_moment_tx(kind, impl, first_moment=first) for impl in ("jnp", "cpu")]
+  _assert_steps_bitwise(txs, shapes, _stall_grads, "optax4bit_first_moment_apply")
+
+
 # 8-bit Adam (adamw_8bit): both moments B256/DE, one kernel call per leaf.
 # Rows not a multiple of anything; one row; a last axis that is not a
 # multiple of 256 (jnp path); a 1-D leaf (jnp path).
@@ -617,15 +703,8 @@ def test_first_moment_kernels_bitwise_match_jnp(kind, recipe):
   non-finite, zero, tiny and huge gradients (the factored step's overflow
   restart), on every ISA path this CPU runs; every leaf bitwise, the one-row
   leaf included (leaves "d" and "e" run the jnp path in both)."""
-  params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
-            for i, (k, s) in enumerate(SHAPES.items())}
   txs = [_first_moment_tx(kind, impl, recipe=recipe) for impl in ("jnp", "cpu")]
-  assert "optax4bit_first_moment_apply" in _lowered_text(txs[1], params, pass_params=False)
-  for name, u_ref, s_ref, u_cpu, s_cpu in _steps_on_every_isa(
-      txs, params, (_grads(params, step) for step in range(4)), pass_params=False):
-    for k in SHAPES:
-      np.testing.assert_array_equal(_bits(u_ref[k]), _bits(u_cpu[k]), err_msg=f"{name} {k}")
-    assert_states_bitwise(s_ref, s_cpu)
+  _assert_steps_bitwise(txs, SHAPES, _grads, "optax4bit_first_moment_apply")
 
 
 @needs_kernel

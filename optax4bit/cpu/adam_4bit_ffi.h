@@ -75,7 +75,9 @@ ffi::Error StatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
 // a whole leaf, global indices for a shard); m_stochastic: round the first moment
 // stochastically (else to the nearest entry); v_stochastic: the same for the
 // second moment; v_linear: the second moment's map is Linear and it is rounded
-// to the nearest entry (encoded by a closed form, others by their thresholds).
+// to the nearest entry (encoded by a closed form, others by their thresholds);
+// m_stall, v_stall: the moment rounded stochastically rounds by the stall rule
+// (stochastically only where the nearest code is its old code).
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
                      ffi::Buffer<ffi::U8> v_codes, ffi::Buffer<ffi::F32> v_rows,
@@ -83,8 +85,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                      ffi::Buffer<ffi::F32> new_v_cols, ffi::Buffer<ffi::F32> coef,
                      ffi::Buffer<ffi::F32> tables, ffi::Buffer<ffi::U32> seeds,
                      ffi::Buffer<ffi::U32> row_bases, bool nesterov,
-                     bool m_stochastic, bool v_stochastic, bool v_linear,
-                     ffi::ResultBuffer<ffi::F32> update, ffi::ResultBuffer<ffi::U8> m_codes_out,
+                     bool m_stochastic, bool v_stochastic, bool v_linear, bool m_stall,
+                     bool v_stall, ffi::ResultBuffer<ffi::F32> update, ffi::ResultBuffer<ffi::U8> m_codes_out,
                      ffi::ResultBuffer<ffi::F32> m_scales_out,
                      ffi::ResultBuffer<ffi::U8> v_codes_out) {
   int64_t rows, d;
@@ -101,6 +103,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   if (ffi::Error error = CheckTables(tables); error.failure()) return error;
   if (v_linear && v_stochastic) {
     return ffi::Error::InvalidArgument("v_linear is for a second moment rounded to nearest");
+  }
+  if ((m_stall && !m_stochastic) || (v_stall && !v_stochastic)) {
+    return ffi::Error::InvalidArgument("the stall rule rounds stochastically");
   }
   if (seeds.element_count() != 2) {
     return ffi::Error::InvalidArgument("seeds must hold one uint32 per moment");
@@ -144,6 +149,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.m_stochastic = m_stochastic;
   args.v_stochastic = v_stochastic;
   args.v_linear = v_linear;
+  args.m_stall = m_stall;
+  args.v_stall = v_stall;
   args.out = update->typed_data();
   args.m_out = m_codes_out->typed_data();
   args.v_out = v_codes_out->typed_data();
@@ -185,6 +192,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitAdam4bitApply, ApplyImpl,
                                   .Attr<bool>("m_stochastic")
                                   .Attr<bool>("v_stochastic")
                                   .Attr<bool>("v_linear")
+                                  .Attr<bool>("m_stall")
+                                  .Attr<bool>("v_stall")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // update (aliases grad)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)

@@ -222,8 +222,11 @@ __attribute__((always_inline)) inline bool MomentsAndUpdate(const ApplyRowsArgs&
 // The second pass of an Adam row: the codes of m (restarted where v is +inf)
 // under the new block scales and of v under the new rank-1 scales, v to the
 // nearest entry (its thresholds, or Linear's closed form) or stochastically
-// (kVStochastic: its TableRounding, inverses times 4).
-template <bool kStochastic, bool kFast, bool kLinear, bool kVStochastic, bool kVFast>
+// (kVStochastic: its TableRounding, inverses times 4). kStall, kVStall: m's,
+// v's stall rule against the row's stored codes (a.m_codes, a.v_codes: the
+// buffers the new codes overwrite, each byte read before it is written).
+template <bool kStochastic, bool kFast, bool kStall, bool kLinear, bool kVStochastic,
+          bool kVFast, bool kVStall>
 __attribute__((always_inline)) inline void EncodeMomentsT(
     const ApplyRowsArgs& a, int64_t i, const TableRounding& shared_rounding,
     const TableRounding& shared_v_rounding, const Bounds& v_thresholds4,
@@ -235,19 +238,22 @@ __attribute__((always_inline)) inline void EncodeMomentsT(
   const float row_inverse = InverseTimes4(a.new_row_scales[i]) * a.inverse_factor;
   uint8_t* m_out = a.m_out + i * h;
   uint8_t* v_out = a.v_out + i * h;
+  const uint8_t* m_stored = a.m_codes + i * h;
+  const uint8_t* v_stored = a.v_codes + i * h;
   ForBlockInverses<kBlockBytes>(h, a.m_scales_out + i * (h / kBlockBytes),
                                 [&](int64_t j, float inverse) {
     const VF ve = LoadV(v + j), vo = LoadV(v + h + j);
     const VF me = ve == INFINITY ? VF{} : LoadV(m + j);
     const VF mo = vo == INFINITY ? VF{} : LoadV(m + h + j);
-    StoreCodes(m_out + j, rounding.CodeBytes<kStochastic, kFast>(
-                              Normalized(me, inverse), Normalized(mo, inverse), row_index, j));
+    StoreCodes(m_out + j, rounding.CodeBytes<kStochastic, kFast, kStall>(
+                              Normalized(me, inverse), Normalized(mo, inverse), row_index, j,
+                              m_stored));
     const VF ie = LoadV(a.inv_col_even + j), io = LoadV(a.inv_col_odd + j);
     if constexpr (kVStochastic) {
       const VF row = VF{} + row_inverse;
-      StoreCodes(v_out + j, shared_v_rounding.CodeBytes<true, kVFast>(
+      StoreCodes(v_out + j, shared_v_rounding.CodeBytes<true, kVFast, kVStall>(
                                 Rank1Normalized(ve, ie, row), Rank1Normalized(vo, io, row),
-                                row_index, j));
+                                row_index, j, v_stored));
     } else {
       const VI even = SecondMomentLevels<kLinear>(ve, ie, row_inverse, v_thresholds4);
       const VI odd = SecondMomentLevels<kLinear>(vo, io, row_inverse, v_thresholds4);
@@ -256,35 +262,53 @@ __attribute__((always_inline)) inline void EncodeMomentsT(
   });
 }
 
-template <bool kLinear, bool kVStochastic, bool kVFast>
+// EncodeMomentsT with m's rounding picked: nearest, stochastic or the stall
+// rule, each stochastic one by the table's faster path where it applies.
+template <bool kLinear, bool kVStochastic, bool kVFast, bool kVStall>
 void EncodeMomentsV(const ApplyRowsArgs& a, int64_t i, const TableRounding& rounding,
                     const TableRounding& v_rounding, const Bounds& v_thresholds4,
                     const float* m, const float* v) {
   if (!a.m_stochastic) {
-    EncodeMomentsT<false, false, kLinear, kVStochastic, kVFast>(a, i, rounding, v_rounding,
-                                                                v_thresholds4, m, v);
+    EncodeMomentsT<false, false, false, kLinear, kVStochastic, kVFast, kVStall>(
+        a, i, rounding, v_rounding, v_thresholds4, m, v);
+  } else if (a.m_stall) {
+    if (rounding.fast) {
+      EncodeMomentsT<true, true, true, kLinear, kVStochastic, kVFast, kVStall>(
+          a, i, rounding, v_rounding, v_thresholds4, m, v);
+    } else {
+      EncodeMomentsT<true, false, true, kLinear, kVStochastic, kVFast, kVStall>(
+          a, i, rounding, v_rounding, v_thresholds4, m, v);
+    }
   } else if (rounding.fast) {
-    EncodeMomentsT<true, true, kLinear, kVStochastic, kVFast>(a, i, rounding, v_rounding,
-                                                              v_thresholds4, m, v);
+    EncodeMomentsT<true, true, false, kLinear, kVStochastic, kVFast, kVStall>(
+        a, i, rounding, v_rounding, v_thresholds4, m, v);
   } else {
-    EncodeMomentsT<true, false, kLinear, kVStochastic, kVFast>(a, i, rounding, v_rounding,
-                                                               v_thresholds4, m, v);
+    EncodeMomentsT<true, false, false, kLinear, kVStochastic, kVFast, kVStall>(
+        a, i, rounding, v_rounding, v_thresholds4, m, v);
   }
 }
 
+// v's rounding picked: nearest (Linear's closed form or thresholds),
+// stochastic or the stall rule (the table's faster path where it applies).
 void EncodeMoments(const ApplyRowsArgs& a, int64_t i, const TableRounding& rounding,
                    const TableRounding& v_rounding, const Bounds& v_thresholds4,
                    const float* m, const float* v) {
-  if (a.v_stochastic) {
+  if (a.v_stochastic && a.v_stall) {
     if (v_rounding.fast) {
-      EncodeMomentsV<false, true, true>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+      EncodeMomentsV<false, true, true, true>(a, i, rounding, v_rounding, v_thresholds4, m, v);
     } else {
-      EncodeMomentsV<false, true, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+      EncodeMomentsV<false, true, false, true>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+    }
+  } else if (a.v_stochastic) {
+    if (v_rounding.fast) {
+      EncodeMomentsV<false, true, true, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+    } else {
+      EncodeMomentsV<false, true, false, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
     }
   } else if (a.v_linear) {
-    EncodeMomentsV<true, false, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+    EncodeMomentsV<true, false, false, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
   } else {
-    EncodeMomentsV<false, false, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
+    EncodeMomentsV<false, false, false, false>(a, i, rounding, v_rounding, v_thresholds4, m, v);
   }
 }
 

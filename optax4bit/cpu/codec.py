@@ -10,11 +10,13 @@ row kernels (its ISA paths included):
 * ``encode_block``: ``B128`` codes and block maxima of float32 values under a
   4-bit map encoded by thresholds (``DE``, ``NF``, ``DE-0``, ``SqrtDE-0``,
   ``SqrtLinear``),
-  rounded to the nearest entry or stochastically (the draws of
-  `optax4bit.quant.maps.hashed_uniform`);
+  rounded to the nearest entry, stochastically (the draws of
+  `optax4bit.quant.maps.hashed_uniform`) or, for a ``stall_only`` spec given
+  the codes the values replace, stochastically only where the nearest code
+  is the stored one;
 * ``encode_rank1``: ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear``
   codes under given scales (those of the whole leaf, from the engine's first
-  pass), rounded to the nearest entry or stochastically.
+  pass), rounded the same ways.
 
 Each equals `optax4bit.quant.array.decode` / ``encode`` bit for bit (the same
 normalization ``(x * (4 / scale)) * 0.25``, NaN read as 0, the same tables,
@@ -116,14 +118,16 @@ def encode(x: jax.Array, spec: QuantSpec, layout: normalize.Layout, scales: Opti
   Block scales are computed here (``scales`` None); rank-1 ones are given.
   ``seed`` and ``row_bases`` (`optax4bit.quant.maps.rounding_seed`,
   `optax4bit.quant.maps.row_hash_bases`): stochastic rounding's draws.
-  ``stored_codes``: the codes ``x`` replaces; a ``stall_only`` spec, which
-  reads them, is left to the jnp codecs.
+  ``stored_codes``: the packed codes ``x`` replaces, which a ``stall_only``
+  spec reads (None: it rounds stochastically everywhere).
   """
-  del stored_codes
   shape = tuple(x.shape)
   rows = _rows(spec, layout, shape)
-  if rows is None or spec.stall_only:
+  if rows is None:
     return None
+  stall = spec.stall_only and stored_codes is not None
+  stored = (jnp.reshape(stored_codes, (rows, shape[-1] // 2)).astype(jnp.uint8) if stall
+            else jnp.zeros((0,), jnp.uint8))
   if layout.normalization == "block":
     if spec.mapping not in _BLOCK_MAPS or scales is not None:
       return None
@@ -132,15 +136,15 @@ def encode(x: jax.Array, spec: QuantSpec, layout: normalize.Layout, scales: Opti
         (jax.ShapeDtypeStruct((rows, shape[-1] // 2), jnp.uint8),
          jax.ShapeDtypeStruct((rows, shape[-1] // 128), jnp.float32)),
         vmap_method="sequential")(x.reshape(rows, -1), _tables(spec),
-                                  *_seeds_and_bases(seed, row_bases, rows),
-                                  stochastic=np.bool_(spec.stochastic))
+                                  *_seeds_and_bases(seed, row_bases, rows), stored,
+                                  stochastic=np.bool_(spec.stochastic), stall=np.bool_(stall))
     return (codes.reshape(shape[:-1] + (shape[-1] // 2,)),
             (block_scales.reshape(shape[:-1] + (shape[-1] // 128,)),))
   if spec.mapping not in _RANK1_MAPS or spec.signed or scales is None:
     return None
   codes = kernel_call(_ENCODE_RANK1, jax.ShapeDtypeStruct((rows, shape[-1] // 2), jnp.uint8),
                       vmap_method="sequential")(
-      x, scales[0], scales[1], _tables(spec), *_seeds_and_bases(seed, row_bases, rows),
+      x, scales[0], scales[1], _tables(spec), *_seeds_and_bases(seed, row_bases, rows), stored,
       linear=np.bool_(spec.mapping == "Linear" and not spec.stochastic),
-      stochastic=np.bool_(spec.stochastic))
+      stochastic=np.bool_(spec.stochastic), stall=np.bool_(stall))
   return codes, tuple(scales)

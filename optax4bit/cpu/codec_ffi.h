@@ -64,15 +64,31 @@ ffi::Error Decode4bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
   return ffi::Error::Success();
 }
 
+// An encode's stall rule: it rounds stochastically and reads `count` stored
+// code bytes; without it, stored is empty.
+ffi::Error CheckStall(const ffi::Buffer<ffi::U8>& stored, int64_t count, bool stochastic,
+                      bool stall) {
+  if (stall && !stochastic) {
+    return ffi::Error::InvalidArgument("the stall rule rounds stochastically");
+  }
+  if ((int64_t)stored.element_count() != (stall ? count : 0)) {
+    return ffi::Error::InvalidArgument(
+        "stored codes must match the codes with stall, and be empty without");
+  }
+  return ffi::Error::Success();
+}
+
 // optax4bit.quant.array.encode of float32 values (rows, d) with 128-element
 // block scales (their finite maxima, also returned): a signed 16-entry map
 // (tables: entries, then midpoint thresholds), rounded to the nearest entry
 // or stochastically (the draws of maps.hashed_uniform under seeds[0], the
-// rows' flat indices in the whole array in row_bases).
+// rows' flat indices in the whole array in row_bases), with stall by the stall
+// rule against stored (the codes the values replace, (rows, d / 2); empty
+// without stall).
 ffi::Error EncodeBlock4bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::F32> tables, ffi::Buffer<ffi::U32> seeds,
-                               ffi::Buffer<ffi::U32> row_bases, bool stochastic,
-                               ffi::ResultBuffer<ffi::U8> codes,
+                               ffi::Buffer<ffi::U32> row_bases, ffi::Buffer<ffi::U8> stored,
+                               bool stochastic, bool stall, ffi::ResultBuffer<ffi::U8> codes,
                                ffi::ResultBuffer<ffi::F32> block_scales) {
   int64_t rows, d;
   if (ffi::Error error = CodecGeometry(x.dimensions(), rows, d); error.failure()) return error;
@@ -83,9 +99,14 @@ ffi::Error EncodeBlock4bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       (int64_t)row_bases.element_count() != rows) {
     return ffi::Error::InvalidArgument("codes, scales, tables, seeds or row_bases do not match");
   }
+  if (ffi::Error error = CheckStall(stored, rows * h, stochastic, stall); error.failure()) {
+    return error;
+  }
   CodecRowsArgs args{};
   args.h = h;
   args.stochastic = stochastic;
+  args.stall = stall;
+  args.codes = stored.typed_data();
   args.table = tables.typed_data();
   args.x = x.typed_data();
   args.row_base = row_bases.typed_data();
@@ -101,11 +122,13 @@ ffi::Error EncodeBlock4bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // map (tables: entries, then midpoint thresholds, normal, in (0, 1]), to the
 // nearest entry (Linear, linear: by its closed form; others by their
 // thresholds) or stochastically (the draws of maps.hashed_uniform under
-// seeds[0], the rows' flat indices in the whole array in row_bases).
+// seeds[0], the rows' flat indices in the whole array in row_bases), with
+// stall by the stall rule against stored (as EncodeBlock4bitImpl's).
 ffi::Error EncodeRank14bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::F32> row_scales, ffi::Buffer<ffi::F32> col_scales,
                                ffi::Buffer<ffi::F32> tables, ffi::Buffer<ffi::U32> seeds,
-                               ffi::Buffer<ffi::U32> row_bases, bool linear, bool stochastic,
+                               ffi::Buffer<ffi::U32> row_bases, ffi::Buffer<ffi::U8> stored,
+                               bool linear, bool stochastic, bool stall,
                                ffi::ResultBuffer<ffi::U8> codes) {
   int64_t rows, d;
   if (ffi::Error error = CodecGeometry(x.dimensions(), rows, d); error.failure()) return error;
@@ -120,6 +143,9 @@ ffi::Error EncodeRank14bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (linear && stochastic) {
     return ffi::Error::InvalidArgument("linear is for rounding to the nearest entry");
   }
+  if (ffi::Error error = CheckStall(stored, rows * h, stochastic, stall); error.failure()) {
+    return error;
+  }
   FlushDenormals flush;  // for the scale reciprocals
   Rank1Encoder encoder;
   if (ffi::Error error = MakeRank1Encoder(tables.typed_data() + kTableSize,
@@ -131,6 +157,8 @@ ffi::Error EncodeRank14bitImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   args.h = h;
   args.linear = linear;
   args.stochastic = stochastic;
+  args.stall = stall;
+  args.codes = stored.typed_data();
   args.table = tables.typed_data();
   args.row_base = row_bases.typed_data();
   args.seed = seeds.typed_data()[0];
@@ -165,7 +193,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitEncodeBlock4bit, EncodeBlock4bitImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // entries and thresholds (31,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // rounding seed (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // row hash bases (rows,)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // stored codes, or (0,)
                                   .Attr<bool>("stochastic")
+                                  .Attr<bool>("stall")
                                   .Ret<ffi::Buffer<ffi::U8>>()   // codes (rows, d / 2)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // block scales (rows, d / 128)
 );
@@ -179,8 +209,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitEncodeRank14bit, EncodeRank14bitImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // entries and thresholds (31,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // rounding seed (1,)
                                   .Arg<ffi::Buffer<ffi::U32>>()  // row hash bases (rows,)
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // stored codes, or (0,)
                                   .Attr<bool>("linear")
                                   .Attr<bool>("stochastic")
+                                  .Attr<bool>("stall")
                                   .Ret<ffi::Buffer<ffi::U8>>()   // codes (rows, d / 2)
 );
 

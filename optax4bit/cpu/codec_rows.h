@@ -51,18 +51,21 @@ void DecodeRows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* /*scratch
   }
 }
 
-// Rows [lo, hi) of EncodeBlock4bit: block maxima and codes (scratch: 2h).
+// Rows [lo, hi) of EncodeBlock4bit: block maxima and codes (scratch: 2h);
+// with stall (and stochastic), the stall rule against the stored codes a.codes.
 void EncodeBlockRows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
   const int64_t h = a.h, blocks = h / kBlockBytes;
   const TableRounding rounding(a.table, a.table + kTableSize, a.seed);
   for (int64_t i = lo; i < hi; ++i) {
     SplitRow(h, a.x + i * 2 * h, scratch);
     EncodeFirstMoment(a.stochastic, h, scratch, rounding, a.row_base[i],
-                      a.block_scales_out + i * blocks, a.codes_out + i * h);
+                      a.block_scales_out + i * blocks, a.codes_out + i * h,
+                      a.stall ? a.codes + i * h : nullptr);
   }
 }
 
-// Rows [lo, hi) of EncodeRank14bit under given scales (scratch: 2h).
+// Rows [lo, hi) of EncodeRank14bit under given scales (scratch: 2h); stall
+// as EncodeBlockRows'.
 void EncodeRank1Rows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* scratch) {
   const int64_t h = a.h;
   const Bounds thresholds4 = MakeBounds(a.thresholds4);
@@ -74,6 +77,17 @@ void EncodeRank1Rows(const CodecRowsArgs& a, int64_t lo, int64_t hi, float* scra
     if (!a.stochastic) {
       EncodeSecondMoment(a.linear, h, scratch, row_inverse, a.inv_col_even, a.inv_col_odd,
                          thresholds4, codes);
+    } else if (a.stall) {
+      const uint8_t* stored = a.codes + i * h;
+      if (rounding.fast) {
+        EncodeSecondMomentStochasticT<true, true>(h, scratch, row_inverse, a.inv_col_even,
+                                                  a.inv_col_odd, rounding, a.row_base[i], codes,
+                                                  stored);
+      } else {
+        EncodeSecondMomentStochasticT<false, true>(h, scratch, row_inverse, a.inv_col_even,
+                                                   a.inv_col_odd, rounding, a.row_base[i], codes,
+                                                   stored);
+      }
     } else if (rounding.fast) {
       EncodeSecondMomentStochasticT<true>(h, scratch, row_inverse, a.inv_col_even,
                                           a.inv_col_odd, rounding, a.row_base[i], codes);

@@ -77,12 +77,27 @@ inline VF HashedUniformTimes2p24(VU index, uint32_t seed) {
   return __builtin_convertvector((VI)(Mix32(index ^ seed) >> 8), VF);
 }
 
+// The stall rule's codes (TableRounding::StallCodes) are inlined into the
+// encoders where vectors are as wide as the registers. The x86 baseline path
+// (16 lanes lowered lane by lane to SSE2, and not run by "auto") calls them:
+// inlined into each pairing of the moments' roundings they added 0.8 MB to
+// the library.
+#undef OPTAX4BIT_STALL_INLINE
+#if OPTAX4BIT_ROWS_AVX512 || OPTAX4BIT_ROWS_AVX2 || OPTAX4BIT_ROWS_NEON
+#define OPTAX4BIT_STALL_INLINE __attribute__((always_inline))
+#else
+#define OPTAX4BIT_STALL_INLINE __attribute__((noinline))
+#endif
+
 // How a row of a moment is rounded to codes under a 16-entry table (the first
 // moment's, signed, or the second moment's, unsigned): to the nearest entry
 // (the count of midpoint thresholds below n), or stochastically as
 // optax4bit.quant.maps.encode_stochastic (n clipped to the table; lower = the
 // largest k with table[k] <= n; up by one where the draw u < (n - table[lower])
-// / gap, gap = table[lower + 1] - table[lower], 0 at the top entry).
+// / gap, gap = table[lower + 1] - table[lower], 0 at the top entry), or by the
+// stall rule (QuantSpec stall_only, optax4bit.quant.array.encode with stored
+// codes): the stochastic code where the nearest code is the element's stored
+// one (its code before the step), the nearest code elsewhere.
 //
 // Stochastic rounding takes a faster path where the map allows (NF's entries
 // do; DE's crowd near 0 and take the general one):
@@ -176,14 +191,33 @@ struct TableRounding {
     }
   }
 
+  // The stall rule: the stochastic code where the nearest one (the count of
+  // midpoint thresholds below n, clipped or not) is `stored`, else the nearest.
+  template <bool kFast>
+  OPTAX4BIT_STALL_INLINE VI StallCodes(VF n, VU index, VI stored) const {
+    const VI nearest = CountAbove<false>(thresholds, n);
+    const VI stochastic = Codes<true, kFast>(n, index);
+    return nearest == stored ? stochastic : nearest;
+  }
+
   // The code bytes of kLanes even elements xe and the odd ones xo after them
   // at half-row offset j of a row whose first element has flat index
-  // row_index (mod 2**32).
-  template <bool kStochastic, bool kFast>
-  __attribute__((always_inline)) VI CodeBytes(VF xe, VF xo, uint32_t row_index, int64_t j) const {
+  // row_index (mod 2**32). kStall (with kStochastic): the stall rule, the
+  // stored codes of the row's bytes at `stored` (read before the caller
+  // writes the new byte j over it, where it codes in place).
+  template <bool kStochastic, bool kFast, bool kStall = false>
+  __attribute__((always_inline)) VI CodeBytes(VF xe, VF xo, uint32_t row_index, int64_t j,
+                                              const uint8_t* stored = nullptr) const {
+    static_assert(kStochastic || !kStall, "the stall rule rounds stochastically");
     const VU even_index = (row_index + 2 * (uint32_t)j) + kEvenIndex;
-    return Codes<kStochastic, kFast>(xe, even_index) |
-           (Codes<kStochastic, kFast>(xo, even_index + 1) << 4);
+    if constexpr (kStall) {
+      const VI old = LoadCodes(stored + j);
+      return StallCodes<kFast>(xe, even_index, old & 15) |
+             (StallCodes<kFast>(xo, even_index + 1, old >> 4) << 4);
+    } else {
+      return Codes<kStochastic, kFast>(xe, even_index) |
+             (Codes<kStochastic, kFast>(xo, even_index + 1) << 4);
+    }
   }
 };
 
@@ -251,38 +285,57 @@ __attribute__((always_inline)) inline void ForNormalizedBlocks(
 // B128 codes of one row of m under its block scales (block_scales: the
 // maxima of finite |m| per block). row_index: the flat index (mod 2**32) of
 // the row's first element in the leaf, for stochastic rounding's draws.
-template <bool kStochastic, bool kFast>
+// kStall: the stall rule against the row's stored codes, which may be codes
+// itself (coded in place: CodeBytes reads each byte before it is written).
+template <bool kStochastic, bool kFast, bool kStall>
 __attribute__((always_inline)) inline void EncodeFirstMomentScaledT(
     int64_t h, const float* __restrict m, const TableRounding& shared_rounding,
-    uint32_t row_index, const float* __restrict block_scales, uint8_t* __restrict codes) {
+    uint32_t row_index, const float* __restrict block_scales, uint8_t* codes,
+    const uint8_t* stored) {
   // A copy the code stores cannot alias: it stays in registers.
   const TableRounding rounding = shared_rounding;
   ForBlockInverses<kBlockBytes>(h, block_scales, [&](int64_t j, float inverse) {
-    StoreCodes(codes + j, rounding.CodeBytes<kStochastic, kFast>(
+    StoreCodes(codes + j, rounding.CodeBytes<kStochastic, kFast, kStall>(
                               Normalized(LoadV(m + j), inverse),
-                              Normalized(LoadV(m + h + j), inverse), row_index, j));
+                              Normalized(LoadV(m + h + j), inverse), row_index, j, stored));
   });
 }
 
+// stall_codes: the row's stored codes where the stall rule applies (with
+// stochastic), else nullptr.
 void EncodeFirstMomentScaled(bool stochastic, int64_t h, const float* __restrict m,
                              const TableRounding& rounding, uint32_t row_index,
-                             const float* __restrict block_scales, uint8_t* __restrict codes) {
+                             const float* __restrict block_scales, uint8_t* codes,
+                             const uint8_t* stall_codes = nullptr) {
   if (!stochastic) {
-    EncodeFirstMomentScaledT<false, false>(h, m, rounding, row_index, block_scales, codes);
+    EncodeFirstMomentScaledT<false, false, false>(h, m, rounding, row_index, block_scales, codes,
+                                                  nullptr);
+  } else if (stall_codes != nullptr) {
+    if (rounding.fast) {
+      EncodeFirstMomentScaledT<true, true, true>(h, m, rounding, row_index, block_scales, codes,
+                                                 stall_codes);
+    } else {
+      EncodeFirstMomentScaledT<true, false, true>(h, m, rounding, row_index, block_scales, codes,
+                                                  stall_codes);
+    }
   } else if (rounding.fast) {
-    EncodeFirstMomentScaledT<true, true>(h, m, rounding, row_index, block_scales, codes);
+    EncodeFirstMomentScaledT<true, true, false>(h, m, rounding, row_index, block_scales, codes,
+                                                nullptr);
   } else {
-    EncodeFirstMomentScaledT<true, false>(h, m, rounding, row_index, block_scales, codes);
+    EncodeFirstMomentScaledT<true, false, false>(h, m, rounding, row_index, block_scales, codes,
+                                                 nullptr);
   }
 }
 
 // B128 codes of one row of m: its block maxima into block_scales, then the
-// codes.
+// codes (stall_codes as EncodeFirstMomentScaled's).
 void EncodeFirstMoment(bool stochastic, int64_t h, const float* __restrict m,
                        const TableRounding& rounding, uint32_t row_index,
-                       float* __restrict block_scales, uint8_t* __restrict codes) {
+                       float* __restrict block_scales, uint8_t* codes,
+                       const uint8_t* stall_codes = nullptr) {
   BlockMaxima<kBlockBytes>(h, m, block_scales);
-  EncodeFirstMomentScaled(stochastic, h, m, rounding, row_index, block_scales, codes);
+  EncodeFirstMomentScaled(stochastic, h, m, rounding, row_index, block_scales, codes,
+                          stall_codes);
 }
 
 // Rank-1 codes of one row of v, nearest rounding.
@@ -343,19 +396,20 @@ void EncodeSecondMoment(bool linear, int64_t h, const float* __restrict v,
 // The codes of one row (split even/odd) of a second moment rounded
 // stochastically (optax4bit.quant.maps.encode_stochastic) under rank-1
 // inverses times 4; row_index: the flat index (mod 2**32) of the row's first
-// element, for the draws.
-template <bool kFast>
+// element, for the draws. kStall: the stall rule against the row's stored
+// codes (`stored`, another buffer: the codecs').
+template <bool kFast, bool kStall = false>
 __attribute__((always_inline)) inline void EncodeSecondMomentStochasticT(
     int64_t h, const float* __restrict v, float row_inverse, const float* __restrict col_even,
     const float* __restrict col_odd, const TableRounding& shared_rounding, uint32_t row_index,
-    uint8_t* __restrict codes) {
+    uint8_t* __restrict codes, const uint8_t* __restrict stored = nullptr) {
   const TableRounding rounding = shared_rounding;  // in registers, as EncodeFirstMomentScaledT's
   const VF row = VF{} + row_inverse;
   for (int64_t j = 0; j < h; j += kLanes) {
-    StoreCodes(codes + j, rounding.CodeBytes<true, kFast>(
+    StoreCodes(codes + j, rounding.CodeBytes<true, kFast, kStall>(
                               Rank1Normalized(LoadV(v + j), LoadV(col_even + j), row),
                               Rank1Normalized(LoadV(v + h + j), LoadV(col_odd + j), row),
-                              row_index, j));
+                              row_index, j, stored));
   }
 }
 

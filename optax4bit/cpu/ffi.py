@@ -13,11 +13,13 @@ the product of the leading axes) whose last axis is a multiple of 128, with
 both recipes of `optax4bit.recipes` and any pairing of their quantizers (4
 bits):
 
-* first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry or
-  stochastically (the default recipe: ``B128/NF``, stochastic);
+* first moment ``B128/DE`` or ``B128/NF``, rounded to the nearest entry,
+  stochastically or stochastically where stalled (``stall_only``: the
+  nearest code is the stored one) (the default recipe: ``B128/NF``,
+  stochastic);
 * second moment ``Rank-1/Linear``, ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear``,
-  rounded to the nearest entry or stochastically (the default recipe:
-  ``Rank-1/SqrtLinear``, stochastic).
+  rounded the same ways (the default recipe: ``Rank-1/SqrtLinear``,
+  stochastic).
 
 The maps' entries and thresholds (`_tables`) and the per-leaf stochastic
 rounding seeds (`optax4bit.quant.maps.rounding_seed` of the moment's key) are
@@ -85,13 +87,15 @@ _LIBRARY = "_kernels"
 _STATS_TARGET = "optax4bit_adam_4bit_stats"
 _APPLY_TARGET = "optax4bit_adam_4bit_apply"
 _FIRST_MOMENT_TARGET = "optax4bit_first_moment_apply"
-# The quantizers the kernel runs: every combination of a first and a second moment.
-_FIRST_MOMENTS = tuple(QuantSpec("block", mapping, 4, signed=True, block_size=128,
-                                 stochastic=stochastic)
-                       for mapping in ("DE", "NF") for stochastic in (False, True))
-_SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False, stochastic=stochastic)
+# The quantizers the kernel runs: every combination of a first and a second
+# moment, each rounded to nearest, stochastically or by the stall rule.
+_ROUNDINGS = ({"stochastic": False}, {"stochastic": True},
+              {"stochastic": True, "stall_only": True})
+_FIRST_MOMENTS = tuple(QuantSpec("block", mapping, 4, signed=True, block_size=128, **rounding)
+                       for mapping in ("DE", "NF") for rounding in _ROUNDINGS)
+_SECOND_MOMENTS = tuple(QuantSpec("rank1", mapping, 4, signed=False, **rounding)
                         for mapping in ("Linear", "SqrtDE-0", "SqrtLinear")
-                        for stochastic in (False, True))
+                        for rounding in _ROUNDINGS)
 _APPLY_8BIT_TARGET = "optax4bit_adam_8bit_apply"
 # The 8-bit quantizers (`optax4bit.adamw_8bit`'s, and its second moment without zero).
 _FIRST_MOMENTS_8BIT = (QuantSpec("block", "DE", 8, signed=True, block_size=256),)
@@ -348,7 +352,8 @@ def covers(grad, moments) -> bool:
 
   * with 4 bits as ``B128/DE`` or ``B128/NF`` (signed) and ``Rank-1/Linear``,
     ``Rank-1/SqrtDE-0`` or ``Rank-1/SqrtLinear`` (unsigned), each rounded to
-    the nearest entry or stochastically, the last axis a multiple of 128; or
+    the nearest entry, stochastically or by the stall rule (``stall_only``),
+    the last axis a multiple of 128; or
   * with 8 bits as ``B256/DE`` (signed) and ``B256/DE`` or ``B256/DE-0``
     (unsigned), nearest rounding (`optax4bit.adamw_8bit`), the last axis a
     multiple of 256 (blocks within rows)."""
@@ -426,7 +431,9 @@ def _apply_call(grad, m: QuantizedArray, v: QuantizedArray, new_scales, coef, ne
                                 m_stochastic=np.bool_(m.spec.stochastic),
                                 v_stochastic=np.bool_(v.spec.stochastic),
                                 v_linear=np.bool_(v.spec.mapping == "Linear"
-                                                  and not v.spec.stochastic))
+                                                  and not v.spec.stochastic),
+                                m_stall=np.bool_(m.spec.stall_only),
+                                v_stall=np.bool_(v.spec.stall_only))
 
 
 def _row_bases(shape, shard=None):
@@ -490,7 +497,8 @@ def first_moment_leaf(step: str, grad, m: QuantizedArray, coef, side=(), key=Non
       vmap_method="sequential")(g, m.codes, block_scales, coef,
                                 jnp.asarray(_first_moment_tables(m.spec.mapping)), seed,
                                 _row_bases(g.shape, shard), *factors, step=step,
-                                m_stochastic=np.bool_(m.spec.stochastic))
+                                m_stochastic=np.bool_(m.spec.stochastic),
+                                m_stall=np.bool_(m.spec.stall_only))
   new_m = QuantizedArray(codes, (block_scales,), m.spec, m.shape, m.dtype)
   return update.astype(grad.dtype), new_m
 

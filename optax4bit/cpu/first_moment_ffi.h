@@ -15,14 +15,16 @@ namespace {
 // factor_rows (rows,), factor_cols (slices * d,) and factor_mean (slices,):
 // the factored second moment's row and column factors and the mean of the row
 // factor, per slice (leading index) of a leaf of more than two axes; empty
-// for the momentum steps).
+// for the momentum steps). m_stall: with m_stochastic, the stall rule
+// (stochastic rounding only where the nearest code is the old one).
 ffi::Error FirstMomentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
                            ffi::Buffer<ffi::U8> m_codes, ffi::Buffer<ffi::F32> m_scales,
                            ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::F32> tables,
                            ffi::Buffer<ffi::U32> seed, ffi::Buffer<ffi::U32> row_bases,
                            ffi::Buffer<ffi::F32> factor_rows, ffi::Buffer<ffi::F32> factor_cols,
                            ffi::Buffer<ffi::F32> factor_mean, std::string_view step,
-                           bool m_stochastic, ffi::ResultBuffer<ffi::F32> update,
+                           bool m_stochastic, bool m_stall,
+                           ffi::ResultBuffer<ffi::F32> update,
                            ffi::ResultBuffer<ffi::U8> m_codes_out,
                            ffi::ResultBuffer<ffi::F32> m_scales_out) {
   FirstMomentRowsArgs args;
@@ -53,6 +55,9 @@ ffi::Error FirstMomentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   if ((int64_t)tables.element_count() != 2 * kTableSize - 1) {
     return ffi::Error::InvalidArgument("tables must hold 16 entries and 15 thresholds");
   }
+  if (m_stall && !m_stochastic) {
+    return ffi::Error::InvalidArgument("the stall rule rounds stochastically");
+  }
   if (seed.element_count() != 1 || (int64_t)row_bases.element_count() != rows) {
     return ffi::Error::InvalidArgument("seed must hold one uint32, row_bases one per row");
   }
@@ -74,6 +79,7 @@ ffi::Error FirstMomentImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> grad,
   args.row_base = row_bases.typed_data();
   args.m_seed = seed.typed_data()[0];
   args.m_stochastic = m_stochastic;
+  args.m_stall = m_stall;
   args.momentum = factored ? 0.0f : coef.typed_data()[0];
   args.c = factored ? ReadCoefficients(coef.typed_data()) : Coefficients{};
   args.factor_rows = nullptr;
@@ -129,6 +135,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Optax4bitFirstMomentApply, FirstMomentImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // row factor means (slices,)
                                   .Attr<std::string_view>("step")
                                   .Attr<bool>("m_stochastic")
+                                  .Attr<bool>("m_stall")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // update (aliases grad)
                                   .Ret<ffi::Buffer<ffi::U8>>()   // m codes (in place)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // m block scales (in place)

@@ -13,9 +13,11 @@
 // for both of optax4bit's recipes (optax4bit/recipes.py) and any pairing of
 // their quantizers:
 //   first moment  B128/DE or B128/NF (signed, 128-element blocks of the last
-//                 axis), rounded to the nearest entry or stochastically;
+//                 axis), rounded to the nearest entry, stochastically or by
+//                 the stall rule (stochastically where the nearest code is
+//                 the stored one: QuantSpec stall_only);
 //   second moment Rank-1/Linear, Rank-1/SqrtDE-0 or Rank-1/SqrtLinear (unsigned,
-//                 scales min(row max, column max)), rounded to the nearest entry.
+//                 scales min(row max, column max)), rounded the same ways.
 // The default recipe is B128/NF stochastic + Rank-1/SqrtLinear, the paper's
 // B128/DE + Rank-1/Linear, both nearest. One set of row kernels
 // (adam_4bit_rows.h) serves all:
@@ -53,8 +55,11 @@
 // (optax4bit._steps.restart_overflowed: RestartOverflowed). Stochastic
 // rounding draws optax4bit.quant.maps.hashed_uniform's numbers: a hash of the
 // seed and of the element's flat index in the whole leaf, so the codes do
-// not depend on chunking. tests/test_cpu_kernel.py checks codes, scales and
-// updates bit for bit against the jnp path. Python side: optax4bit/cpu/ffi.py.
+// not depend on chunking. The stall rule compares the nearest code with the
+// element's old code, read from the codes the new ones overwrite in place
+// (each byte before it is written). tests/test_cpu_kernel.py checks codes,
+// scales and updates bit for bit against the jnp path. Python side:
+// optax4bit/cpu/ffi.py.
 
 #include <algorithm>
 #include <atomic>
@@ -182,16 +187,20 @@ struct ApplyRowsArgs {
   float inverse_factor;
   Coefficients c;
   bool nesterov, m_stochastic, v_stochastic, v_linear;
+  // The stall rule (with m_stochastic, v_stochastic) against the old codes
+  // m_codes, v_codes, which m_out, v_out overwrite.
+  bool m_stall, v_stall;
   float* out;
   uint8_t *m_out, *v_out;
   float* m_scales_out;
 };
 
 // What the rows of the 4-bit codecs (Decode4bit, EncodeBlock4bit,
-// EncodeRank14bit) read and write; see those calls.
+// EncodeRank14bit) read and write; see those calls. codes: the codes to
+// decode, or the stored codes of an encode's stall rule (stall).
 struct CodecRowsArgs {
   int64_t h;
-  bool rank1, stochastic, linear;
+  bool rank1, stochastic, linear, stall;
   const uint8_t* codes;
   const float *block_scales, *row_scales, *col_scales, *table, *x, *thresholds4, *inv_col_even,
       *inv_col_odd;
@@ -214,6 +223,7 @@ struct FirstMomentRowsArgs {
   const uint32_t* row_base;
   uint32_t m_seed;
   bool m_stochastic;
+  bool m_stall;  // the stall rule (with m_stochastic) against m_codes
   float momentum;  // momentum steps
   // Factored: the Adam coefficients, the row factor, the column factor's
   // even and odd elements, whether the mean of the row factor is positive
