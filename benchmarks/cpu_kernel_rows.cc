@@ -4,7 +4,8 @@
 // the stats pass (StatsRows: new v and its maxima) and the apply pass
 // (ApplyRows: new moments, update written over the gradient, both encodes)
 // of optax4bit/cpu/adam_4bit_rows.h, for the paper's recipe, the default
-// one and each of the default's two changes alone, on each ISA path this CPU
+// one, each of the default's two changes alone and the default with m, v or
+// both rounded by the stall rule (QuantSpec stall_only), on each ISA path this CPU
 // runs (or those named as arguments: avx512, avx2, baseline). Then three row
 // functions, each timed alone: new v (the stats pass's), m encode (the
 // momentum step's and the codecs') and v encode (the codecs').
@@ -58,7 +59,7 @@ OPTAX4BIT_ISA_ROWS(baseline)
 // One recipe's row passes and row functions over the leaf.
 template <typename R>
 void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear,
-         bool v_stochastic = false) {
+         bool v_stochastic = false, bool m_stall = false, bool v_stall = false) {
   constexpr int kLeaves = 4, kPasses = 10;
   const int64_t rows = kLeaves * 2048, d = 2048, h = d / 2, blocks = h / kBlockBytes;
   std::mt19937 rng(0);
@@ -78,9 +79,10 @@ void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear,
   std::vector<uint32_t> col_max(d);
   const StatsRowsArgs stats = args.Stats(g.data(), v_rows.data(), v_codes.data(), new_rows.data());
   // The block scales too are written in place.
-  const ApplyRowsArgs apply = args.Apply(g.data(), v_rows.data(), m_codes.data(), v_codes.data(),
-                                         m_scales.data(), m_scales.data(), m_stochastic,
-                                         v_stochastic);
+  ApplyRowsArgs apply = args.Apply(g.data(), v_rows.data(), m_codes.data(), v_codes.data(),
+                                   m_scales.data(), m_scales.data(), m_stochastic, v_stochastic);
+  apply.m_stall = m_stall;
+  apply.v_stall = v_stall;
   FlushDenormals flush;
   const char* names[] = {"stats pass", "apply pass", "  new v", "  m encode", "  v encode"};
   constexpr int kTimes = 5;
@@ -104,7 +106,8 @@ void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear,
                          args.col.data(), v_table, c.b2, c.one_minus_b2, v.data());
       const auto t1 = Clock::now();
       R::EncodeFirstMoment(m_stochastic, h, m.data(), m_rounding, args.row_base[i],
-                           m_scales.data() + i * blocks, m_codes.data() + i * h);
+                           m_scales.data() + i * blocks, m_codes.data() + i * h,
+                           m_stall ? m_codes.data() + i * h : nullptr);  // in place
       const auto t2 = Clock::now();
       R::EncodeSecondMoment(v_linear, h, v.data(), args.inverse, args.col_inverse.data(),
                             args.col_inverse.data(), v_thresholds, v_codes.data() + i * h);
@@ -133,6 +136,10 @@ void RunRecipes(const char* isa) {
   Run<R>(isa, "m stochastic, v table nearest (B128 stochastic, Rank-1/SqrtDE-0)", true, false);
   Run<R>(isa, "m stochastic only (B128 stochastic, Rank-1/Linear)", true, true);
   Run<R>(isa, "v table only (B128 nearest, Rank-1/SqrtDE-0)", false, false);
+  // Issue 50's stall rule on the default's moments.
+  Run<R>(isa, "default, m stall", true, false, true, true, false);
+  Run<R>(isa, "default, v stall", true, false, true, false, true);
+  Run<R>(isa, "default, m+v stall", true, false, true, true, true);
 }
 
 int main(int argc, char** argv) {

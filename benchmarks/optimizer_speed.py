@@ -30,6 +30,9 @@ what is jitted:
     python benchmarks/optimizer_speed.py --tree one-4096 --param-dtype bfloat16 --step apply \
         --optimizers optax.adamw adamw_4bit "adamw_4bit (nearest)"
         # what round_params_stochastically (the default for bfloat16 params) adds to a step
+    python benchmarks/optimizer_speed.py --optimizers optax.adamw "adamw_4bit (cpu)" \
+        "adamw_4bit (m stall, cpu)" --cpu-isas avx2 baseline --paired-to "adamw_4bit (cpu)"
+        # what the stall rule costs, paired with the default on each ISA path
 
 On CPU the first line printed names the ISA path the C++ kernel runs
 (``OPTAX4BIT_CPU_ISA`` forces another); ``--cpu-isas`` adds a row per path for
@@ -50,6 +53,10 @@ import optax
 import optax4bit
 from optimizer_memory import CONFIGS, gpt_params
 from optax4bit.cpu import ffi as cpu_ffi
+
+_STALL_M = optax4bit.QuantSpec.parse("B128/NF", stochastic=True, stall_only=True)
+_STALL_V = optax4bit.QuantSpec.parse("Rank-1/SqrtLinear", stochastic=True, stall_only=True)
+
 
 def in_place_floor() -> optax.GradientTransformation:
   """Writes one element of each gradient in place and returns it as the
@@ -86,6 +93,14 @@ OPTIMIZERS = {
     # stochastic v): what stochastic rounding of v costs.
     "adamw_4bit (v nearest, cpu)": lambda: optax4bit.adamw_4bit(
         1e-3, second_moment="Rank-1/SqrtLinear", implementation="cpu"),
+    # The default's moments rounded by issue 50's stall rule (stochastically only
+    # where the nearest code is the stored one): m, v, both.
+    "adamw_4bit (m stall, cpu)": lambda: optax4bit.adamw_4bit(
+        1e-3, first_moment=_STALL_M, implementation="cpu"),
+    "adamw_4bit (v stall, cpu)": lambda: optax4bit.adamw_4bit(
+        1e-3, second_moment=_STALL_V, implementation="cpu"),
+    "adamw_4bit (m+v stall, cpu)": lambda: optax4bit.adamw_4bit(
+        1e-3, first_moment=_STALL_M, second_moment=_STALL_V, implementation="cpu"),
     "adamw_4bit_factor": lambda: optax4bit.adamw_4bit_factor(1e-3),
     "adamw_4bit_factor (paper)": lambda: optax4bit.adamw_4bit_factor(1e-3, recipe="paper"),
     "adamw_4bit_factor (jnp)": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="jnp"),
@@ -140,6 +155,9 @@ def main(argv=None):
   parser.add_argument("--cpu-isas", nargs="*", default=[], choices=["avx512", "avx2", "baseline"],
                       help="also time the optimizers forced onto the C++ kernel on these ISA "
                       "paths, in the same rounds")
+  parser.add_argument("--paired-to", default=None, choices=list(OPTIMIZERS),
+                      help="add a column: the paired ratio to this optimizer (a row forced onto "
+                      "an ISA path pairs with its row on the same path)")
   parser.add_argument("--step", default="update", choices=["update", "apply", "train"],
                       help="the donated update alone (default), update + apply with read-only "
                       "gradients, or update + apply with gradients computed in the step")
@@ -224,9 +242,19 @@ def main(argv=None):
   # cheapest update (optax.sgd) isolates what the optimizer adds.
   sgd = medians.get("optax.sgd")
   over = args.step == "train" and sgd is not None and base is not None and base > sgd
+
+  def partner(label, isa):
+    # --paired-to's row on the same ISA path as ``label``'s, else its default row.
+    forced = f"{args.paired_to} [{isa}]"
+    return forced if isa is not None and forced in runs else args.paired_to
+
+  to = ({name: np.quantile(np.array(run[3]) / np.array(runs[partner(name, run[4])][3]),
+                           [0.25, 0.5, 0.75]) for name, run in runs.items()}
+        if args.paired_to in runs else {})
   print("| optimizer | median ms/step | ratio to optax.adamw | paired ratio (quartiles) |"
-        + (" ms over optax.sgd | ratio of ms over optax.sgd |" if over else ""))
-  print("|---|---|---|---|" + ("---|---|" if over else ""))
+        + (" ms over optax.sgd | ratio of ms over optax.sgd |" if over else "")
+        + (f" paired ratio to {args.paired_to} (quartiles) |" if to else ""))
+  print("|---|---|---|---|" + ("---|---|" if over else "") + ("---|" if to else ""))
   for name, median in medians.items():
     if base:
       low, mid, high = paired[name]
@@ -235,6 +263,9 @@ def main(argv=None):
       row = f"| {name} | {median * 1e3:.1f} | - | - |"
     if over:
       row += f" {(median - sgd) * 1e3:.1f} | {(median - sgd) / (base - sgd):.2f} |"
+    if to:
+      low, mid, high = to[name]
+      row += f" {mid:.3f} ({low:.3f}-{high:.3f}) |"
     print(row)
 
 

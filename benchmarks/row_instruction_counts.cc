@@ -4,11 +4,25 @@
 // under qemu-user. ROWS_PATH names the path's namespace (avx2, baseline).
 // Arguments: the step (0: 4-bit Adam, paper recipe; 1: 4-bit Adam, default
 // recipe: both moments rounded stochastically; 2: 4-bit momentum, stochastic rounding; 3: 8-bit Adam, which reads
-// its tables from the file named by the fourth argument) and the passes.
+// its tables from the file named by the fourth argument; 4: step 1 with m
+// rounded by the stall rule (QuantSpec stall_only); 5: step 1 with both
+// moments by the stall rule) and the passes. Steps 4 and 5 exit with 4 for a
+// kernel without the stall rule (--source of an older checkout).
 #include "optax4bit/cpu/kernels.cc"  // -I the repository root
 #include "benchmarks/row_pass_args.h"
 
 #include <cstdlib>
+
+// The stall rule of the Adam rows' moments, where the kernel has it.
+template <typename Args>
+auto SetStall(Args& a, bool m, bool v, int) -> decltype(a.m_stall = m, void()) {
+  a.m_stall = m;
+  a.v_stall = v;
+}
+template <typename Args>
+void SetStall(Args&, bool, bool, long) {
+  std::exit(4);
+}
 
 int main(int argc, char** argv) {
   if (argc < 3) return 2;
@@ -30,13 +44,14 @@ int main(int argc, char** argv) {
   if (step == 3 && (argc < 4 || !ReadTables8(argv[3], tables8, buckets))) return 1;
   FlushDenormals flush;
   for (int pass = 0; pass < passes; ++pass) {
-    if (step <= 1) {
+    if (step <= 1 || step >= 4) {
       ROWS_PATH::StatsRows(args.Stats(g.data(), v_rows.data(), v_codes.data(), row_max.data()),
                            0, rows, v.data(), col_max.data());
-      ROWS_PATH::ApplyRows(args.Apply(g.data(), v_rows.data(), m_codes.data(), v_codes.data(),
-                                      m_scales.data(), new_m_scales.data(), step == 1,
-                                      step == 1),
-                           0, rows, scratch.data());
+      ApplyRowsArgs apply = args.Apply(g.data(), v_rows.data(), m_codes.data(), v_codes.data(),
+                                       m_scales.data(), new_m_scales.data(), step != 0,
+                                       step != 0);
+      if (step >= 4) SetStall(apply, true, step == 5, 0);
+      ROWS_PATH::ApplyRows(apply, 0, rows, scratch.data());
     } else if (step == 2) {
       ROWS_PATH::FirstMomentRows(args.FirstMoment(FirstMomentStep::kMomentum, g.data(),
                                                   m_scales.data(), new_m_scales.data(),

@@ -9,7 +9,9 @@ NEON code there; with GCC and with Clang), x86-64 AVX2 and x86-64 baseline
 runs (``-d exec,nochain``); the instructions of the blocks run, with 2 passes
 minus with 0 (the setup), over 2 x 16 x 2048 elements, give the count per
 element of one pass of each step: 4-bit Adam (stats and apply pass, paper and
-default recipes), 4-bit momentum (stochastic rounding) and 8-bit Adam.
+default recipes), 4-bit momentum (stochastic rounding), 8-bit Adam, and the
+default recipe with m, then both moments, rounded by the stall rule
+(``QuantSpec(stall_only=True)``; "-" for a kernel without it).
 
 On the x86 paths the counts track the row harness's times: the baseline path
 executes 12x the AVX2 path's instructions per element (Adam) and takes 12-13x
@@ -38,7 +40,9 @@ sys.path.insert(0, ROOT)
 
 from optax4bit.cpu import ffi  # noqa: E402  pylint: disable=wrong-import-position
 
-STEPS = ("4-bit Adam, paper", "4-bit Adam, default", "4-bit momentum", "8-bit Adam")
+STEPS = ("4-bit Adam, paper", "4-bit Adam, default", "4-bit momentum", "8-bit Adam",
+         "4-bit Adam, default, m stall", "4-bit Adam, default, m+v stall")
+_NO_STALL_RULE = 4  # the exit status of steps 4 and 5 for a kernel without the stall rule
 ROWS, COLUMNS = 16, 2048
 # target: (compiler and its target flag, qemu, the path's namespace)
 TARGETS = {
@@ -59,11 +63,15 @@ def _compile(cxx: list, path: str, source: str, out: str) -> None:
                   "-static", "-o", out, "-lpthread"], check=True, capture_output=True)
 
 
-def _instructions(qemu: str, binary: str, step: int, passes: int, tables8: str) -> int:
-  """Instructions qemu ran for the binary: each block run, times its size."""
+def _instructions(qemu: str, binary: str, step: int, passes: int, tables8: str):
+  """Instructions qemu ran for the binary: each block run, times its size
+  (None where the kernel lacks the step)."""
   with tempfile.NamedTemporaryFile(suffix=".log") as log:
-    subprocess.run([qemu, "-d", "in_asm,exec,nochain", "-D", log.name, binary, str(step),
-                    str(passes), tables8], check=True, capture_output=True)
+    run = subprocess.run([qemu, "-d", "in_asm,exec,nochain", "-D", log.name, binary, str(step),
+                          str(passes), tables8], capture_output=True, check=False)
+    if run.returncode == _NO_STALL_RULE and step >= 4:
+      return None
+    run.check_returncode()
     sizes, total, start, size = {}, 0, None, 0
     with open(log.name) as f:
       for line in f:
@@ -103,8 +111,8 @@ def main() -> None:
       counts = []
       for step in range(len(STEPS)):
         two, none = (_instructions(qemu, binary, step, passes, tables8) for passes in (2, 0))
-        counts.append((two - none) / (2 * ROWS * COLUMNS))
-      print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in counts) + " |", flush=True)
+        counts.append("-" if two is None else f"{(two - none) / (2 * ROWS * COLUMNS):.1f}")
+      print(f"| {name} | " + " | ".join(counts) + " |", flush=True)
 
 
 if __name__ == "__main__":
