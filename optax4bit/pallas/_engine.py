@@ -66,7 +66,8 @@ are approximate (`_math.KernelMath`). Where the tiles cover the leaf exactly
 (`Geometry.exact`), the kernels carry no masks.
 
 The two passes are `_stats_kernel` and `_step_kernel`, over the refs of
-`_Refs` (named by what they hold) and the indices of one program's `_Tile`,
+`_Refs` (named by what they hold) and the indices of one program's
+`optax4bit.pallas._tile.Tile`,
 each launched through a `jax.jit` of its `pallas_call` cached per plan
 (`_launcher`), so that leaves of one shape share one lowered kernel.
 """
@@ -92,15 +93,8 @@ from optax4bit.pallas._geometry import (
     geometry,
     moment_format,
 )
-from optax4bit.quant import maps
+from optax4bit.pallas._tile import Tile, gather_row, iota, load, pallas_modules, store
 from optax4bit.quant.array import QuantizedArray
-
-def _pallas():
-  """``(pl, plgpu)``, imported on first use: importing Pallas costs a
-  noticeable part of ``import optax4bit``, and most runs use no kernel."""
-  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
-  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
-  return pl, plgpu
 
 
 # ----------------------------------------------------------------------------
@@ -112,30 +106,6 @@ class SideInput:
   """A float32 array broadcast against the leaf: ``"row"`` (R,) or
   ``"lead_col"`` (A, D), indexed by (row // axis_rows, column)."""
   kind: str
-
-
-def _iota(shape, dim):
-  return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
-
-
-def _load(ref, index, mask=None):
-  _, plgpu = _pallas()
-  if mask is None:
-    return plgpu.load(ref.at[index])
-  return plgpu.load(ref.at[index], mask=mask, other=jnp.zeros((), ref.dtype))
-
-
-def _store(ref, index, value, mask=None):
-  _, plgpu = _pallas()
-  plgpu.store(ref.at[index], value, mask=mask)
-
-
-def _gather_row(table, index):
-  """Row ``index`` of a small table, stored transposed (``(columns, N)``,
-  `_table_operand`): each column's load is at a constant offset from the
-  first (a tile-shaped ``(..., columns)`` load would need a change of layout
-  both ways)."""
-  return tuple(_load(table, (np.int32(k), index)) for k in range(table.shape[0]))
 
 
 def _table_operand(table: np.ndarray) -> jax.Array:
@@ -206,101 +176,7 @@ class _Refs:
                tuple(it))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tile:
-  """Indices of one program's tile: ``(BR, NBT, S)`` code bytes, each the
-  even and the odd element of the leaf's ``(R, D)`` view; masks are None
-  where the tiling covers the leaf exactly."""
-  geo: Geometry
-  row: Any
-  byte: Any
-  cols: tuple
-  valid: Any
-  valids: tuple
-  row_1: Any          # (BR, 1, 1) rows
-  valid_row: Any
-
-  @classmethod
-  def of_program(cls, geo: Geometry, i, j) -> "_Tile":
-    br, nbt, s = shape = geo.tile
-    row = i * br + _iota(shape, 0)
-    byte = (j * nbt + _iota(shape, 1)) * s + _iota(shape, 2)
-    row_1 = i * br + _iota((br, 1, 1), 0)
-    cols = (2 * byte, 2 * byte + 1)
-    if geo.exact:
-      return cls(geo, row, byte, cols, None, (None, None), row_1, None)
-    valid = (row < geo.rows) & (byte < geo.half)
-    return cls(geo, row, byte, cols, valid, (valid, valid & (cols[1] < geo.cols)), row_1,
-               row_1 < geo.rows)
-
-  def load_halves(self, ref):
-    """The even and odd elements (float32) of a leaf-shaped ref."""
-    return tuple(_load(ref, (self.row, c), v).astype(jnp.float32)
-                 for c, v in zip(self.cols, self.valids))
-
-  def store_halves(self, ref, halves):
-    """Writes the even and odd elements of a leaf-shaped ref: where the tile
-    has no mask, interleaved in registers and stored contiguously (vector
-    stores; loads stay per half, since their consumers' layouts differ)."""
-    if self.valid is None:
-      shape = self.row.shape + (2,)
-      index = (jnp.broadcast_to(self.row[..., None], shape),
-               self.cols[0][..., None] + _iota(shape, len(shape) - 1))
-      _store(ref, index, jnp.stack([h.astype(ref.dtype) for h in halves], axis=-1))
-      return
-    for c, v, value in zip(self.cols, self.valids, halves):
-      _store(ref, (self.row, c), value.astype(ref.dtype), v)
-
-  def group_index(self, fmt: Format):
-    """Flat index of the group scale of each row (group formats)."""
-    geo = self.geo
-    lead_index = jax.lax.div(self.row_1, np.int32(geo.axis_rows))
-    in_lead = jax.lax.rem(self.row_1, np.int32(geo.axis_rows))
-    return (lead_index * _operands.num_groups(fmt, geo)
-            + jax.lax.div(in_lead, np.int32(fmt.group_rows)))
-
-  def per_element(self, fmt: Format, scale_refs, combine):
-    """A moment's scale (or inverse scale) for the even and odd elements."""
-    if fmt.kind == "block":
-      block = jax.lax.div(self.byte, np.int32(fmt.block_bytes))
-      value = _load(scale_refs[0], (self.row, block), self.valid)
-      return value, value
-    if fmt.kind == "group":
-      value = _load(scale_refs[0], self.group_index(fmt), self.valid_row)
-      return value, value
-    row_value = _load(scale_refs[0], self.row_1, self.valid_row)
-    return tuple(combine(row_value, _load(scale_refs[1], c, v))
-                 for c, v in zip(self.cols, self.valids))
-
-  def scaled_uniforms(self, seed, row_bases):
-    """Stochastic rounding's draws times 2**24 (even, odd): hashed flat
-    element indices ``row * D + column`` of the leaf (``row_bases[row] +
-    column`` for a shard)."""
-    if row_bases is not None:
-      row_index = _load(row_bases, self.row_1, self.valid_row)
-    else:
-      row_index = self.row_1.astype(jnp.uint32) * np.uint32(self.geo.cols % 2**32)
-    # Folded once per element for all its moments' seeds (`maps.fold16`).
-    even = maps.fold16(row_index + self.cols[0].astype(jnp.uint32))
-    if row_bases is None and self.geo.cols % 2 == 0:
-      # Even rows start at even indices, so an odd element's index differs from
-      # its even neighbour's in bit 0 only, and so does its fold.
-      odd = even ^ np.uint32(1)
-    else:
-      odd = maps.fold16(row_index + self.cols[1].astype(jnp.uint32))
-    folded_seed = maps.fold16(seed)
-    return tuple(maps.scaled_uniform_of_folded_index(folded, folded_seed) for folded in (even, odd))
-
-  def segment_max(self, halves):
-    """Per half, the `_math.finite_abs_key` keys of its elements (0's where
-    masked), and the per (row, segment) maximum of the finite ``|x|`` of
-    both halves."""
-    keys = [_math.finite_abs_key(x, v) for x, v in zip(halves, self.valids)]
-    # One reduction across lanes (of the halves' elementwise maximum), not two.
-    return keys, _math.abs_of_key(jnp.maximum(keys[0], keys[1]).max(axis=2))
-
-
-def _inputs(plan: _Plan, refs: _Refs, tile: _Tile):
+def _inputs(plan: _Plan, refs: _Refs, tile: Tile):
   """The step function's inputs, per half: ``(dense, old, side)``; and per
   old moment its int32 code bytes (None where this pass does not read it)."""
   geo = plan.geo
@@ -312,20 +188,20 @@ def _inputs(plan: _Plan, refs: _Refs, tile: _Tile):
         old[h].append(jnp.zeros(geo.tile, jnp.float32))
       old_bytes.append(None)
       continue
-    packed = _load(moment[0], (tile.row, tile.byte), tile.valid).astype(jnp.int32)
+    packed = load(moment[0], (tile.row, tile.byte), tile.valid).astype(jnp.int32)
     old_bytes.append(packed)
-    values = _math.decode_bytes(packed, table, _gather_row)
+    values = _math.decode_bytes(packed, table, gather_row)
     scale = tile.per_element(fmt, moment[1:], jnp.minimum)
     for h in range(2):
       old[h].append(values[h] * scale[h])
   side = [[], []]
   for side_input, ref in zip(plan.side, refs.side):
     if side_input.kind == "row":
-      value = _load(ref, tile.row_1, tile.valid_row)
+      value = load(ref, tile.row_1, tile.valid_row)
       values = (value, value)
     else:
       lead_index = jax.lax.div(tile.row, np.int32(geo.axis_rows))
-      values = tuple(_load(ref, (lead_index, c), v) for c, v in zip(tile.cols, tile.valids))
+      values = tuple(load(ref, (lead_index, c), v) for c, v in zip(tile.cols, tile.valids))
     for h in range(2):
       side[h].append(values[h])
   return [(tuple(dense[h]), tuple(old[h]), tuple(side[h])) for h in range(2)], old_bytes
@@ -338,7 +214,7 @@ def _program_ids(geo: Geometry):
   (below 2**31) folds its constant part into the load's immediate instead
   of a 64-bit address per element (about 3 instructions per parameter
   fewer). With masks (ragged leaves) the same hint made ptxas spill."""
-  pl, _ = _pallas()
+  pl, _ = pallas_modules()
   if not geo.exact:
     return pl.program_id(0), pl.program_id(1)
   return tuple(jnp.minimum(pl.program_id(axis).astype(jnp.uint32),
@@ -348,8 +224,8 @@ def _program_ids(geo: Geometry):
 
 def _segment_index(geo: Geometry, i, j):
   br, nbt, _ = geo.tile
-  row = i * br + _iota((br, nbt), 0)
-  seg = j * nbt + _iota((br, nbt), 1)
+  row = i * br + iota((br, nbt), 0)
+  seg = j * nbt + iota((br, nbt), 1)
   return (row, seg), None if geo.exact else (row < geo.rows) & (seg < geo.num_segs)
 
 
@@ -359,7 +235,7 @@ def _stats_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
   refs = _Refs.split(plan, True, refs)
   geo = plan.geo
   i, j = _program_ids(geo)
-  tile = _Tile.of_program(geo, i, j)
+  tile = Tile.of_program(geo, i, j)
   coef = tuple(refs.coef[k] for k in range(plan.num_coef))
   halves, _ = _inputs(plan, refs, tile)
   results = [fn(_math.KernelMath(triton), coef, *args) for args in halves]
@@ -369,15 +245,15 @@ def _stats_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
     if fmt.local:
       continue
     keys, seg_max = tile.segment_max((results[0][1][k], results[1][1][k]))
-    _store(next(out), segment, seg_max, segment_valid)
+    store(next(out), segment, seg_max, segment_valid)
     if fmt.kind == "rank1":
       col_ref = next(out)
       nbt, s = geo.tile[1:]
       tile_row = jnp.full((nbt, s), i, jnp.int32)
-      byte = (j * nbt + _iota((nbt, s), 0)) * s + _iota((nbt, s), 1)
+      byte = (j * nbt + iota((nbt, s), 0)) * s + iota((nbt, s), 1)
       for h in range(2):
         col = 2 * byte + h
-        _store(col_ref, (tile_row, col), _math.abs_of_key(keys[h].max(axis=0)),
+        store(col_ref, (tile_row, col), _math.abs_of_key(keys[h].max(axis=0)),
                None if geo.exact else col < geo.cols)
 
 
@@ -386,7 +262,7 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
   refs = _Refs.split(plan, False, refs)
   geo = plan.geo
   i, j = _program_ids(geo)
-  tile = _Tile.of_program(geo, i, j)
+  tile = Tile.of_program(geo, i, j)
   kmath = _math.KernelMath(triton)
   coef = tuple(refs.coef[k] for k in range(plan.num_coef))
   halves, old_bytes = _inputs(plan, refs, tile)
@@ -401,7 +277,7 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
     if fmt.local:
       _, seg_max = tile.segment_max(values)
       inverse = (kmath.inverse_times_4(seg_max)[:, :, None],) * 2
-      _store(next(out), segment, seg_max, segment_valid)
+      store(next(out), segment, seg_max, segment_valid)
     else:
       inverse = tile.per_element(fmt, refs.inverse[k], jnp.maximum)
     n = [_math.normalized(values[h], inverse[h]) for h in range(2)]
@@ -415,13 +291,13 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
         # that this pass decoded (masked bytes load as 0 and are not stored).
         packed = old_bytes[plan.stall[k]]
         stored = (packed & 15, jax.lax.shift_right_logical(packed, np.int32(4)))
-      codes = [_math.encode_stochastic(n[h], scaled_uniform[h], bucket, *tables, _gather_row,
+      codes = [_math.encode_stochastic(n[h], scaled_uniform[h], bucket, *tables, gather_row,
                                        kmath.probability, stored[h]) for h in range(2)]
     else:
       bucket = _codebook.bucket_table(spec.mapping, spec.signed, inclusive=False)
       codes = [_math.encode_nearest(n[h], spec, bucket, tables[0] if tables else None,
-                                    _gather_row, kmath) for h in range(2)]
-    _store(codes_ref, (tile.row, tile.byte), _math.pack(codes[0], codes[1], tile.valids[1]),
+                                    gather_row, kmath) for h in range(2)]
+    store(codes_ref, (tile.row, tile.byte), _math.pack(codes[0], codes[1], tile.valids[1]),
            tile.valid)
 
 
@@ -449,7 +325,7 @@ def _launcher(plan: _Plan, fn, stats_pass: bool, out_shapes: tuple, aliases: tup
   jaxpr), where each call of a fresh `pallas_call` traced and lowered its own."""
   kernel = functools.partial(_stats_kernel if stats_pass else _step_kernel, plan, fn,
                              not options.interpret)
-  pl, plgpu = _pallas()
+  pl, plgpu = pallas_modules()
   return jax.jit(pl.pallas_call(
       kernel,
       out_shape=list(out_shapes),
