@@ -76,6 +76,7 @@ void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear,
   const typename R::TableRounding m_rounding(m_table, m_table + kTableSize, 12345u);
   const typename R::Bounds v_thresholds = R::MakeBounds(args.v_thresholds4);
   std::vector<float> m(d), v(d), scratch(3 * d), new_rows(rows);
+  std::vector<uint8_t> stored(h);
   std::vector<uint32_t> col_max(d);
   const StatsRowsArgs stats = args.Stats(g.data(), v_rows.data(), v_codes.data(), new_rows.data());
   // The block scales too are written in place.
@@ -101,13 +102,14 @@ void Run(const char* isa, const char* recipe, bool m_stochastic, bool v_linear,
       float* g_row = g.data() + i * d;
       // The gradient row (the apply pass's updates) stands in for m.
       std::memcpy(m.data(), g_row, d * sizeof(float));
+      std::memcpy(stored.data(), m_codes.data() + i * h, h);  // the stall rule's old codes
       const auto t0 = Clock::now();
       R::NewSecondMoment(h, g_row, v_codes.data() + i * h, v_rows[i], args.col.data(),
                          args.col.data(), v_table, c.b2, c.one_minus_b2, v.data());
       const auto t1 = Clock::now();
       R::EncodeFirstMoment(m_stochastic, h, m.data(), m_rounding, args.row_base[i],
                            m_scales.data() + i * blocks, m_codes.data() + i * h,
-                           m_stall ? m_codes.data() + i * h : nullptr);  // in place
+                           m_stall ? stored.data() : nullptr);
       const auto t2 = Clock::now();
       R::EncodeSecondMoment(v_linear, h, v.data(), args.inverse, args.col_inverse.data(),
                             args.col_inverse.data(), v_thresholds, v_codes.data() + i * h);

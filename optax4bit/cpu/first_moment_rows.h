@@ -149,8 +149,9 @@ void FirstMomentRows(const FirstMomentRowsArgs& a, int64_t lo, int64_t hi, float
     float* out = a.out + i * d;
     const uint8_t* codes = a.m_codes + i * h;
     const float* scales = a.m_scales + i * blocks;
-    // The stall rule's stored codes: the old ones, which the new overwrite.
-    const uint8_t* stall_codes = a.m_stall ? codes : nullptr;
+    // The stall rule's stored codes: a copy of the old ones (the encoders'
+    // codes are __restrict), in v's scratch, free once the update is written.
+    const uint8_t* stall_codes = nullptr;
     if (a.step == FirstMomentStep::kFactored) {
       if (FactoredMomentsAndUpdate(a, i, m_table, VF{} + r, m, g_copy) ||
           !C2AllowsMarkstein(a.c.c2)) {
@@ -160,11 +161,13 @@ void FirstMomentRows(const FirstMomentRowsArgs& a, int64_t lo, int64_t hi, float
         UpdateT<true>(h, m, v, a.c, r, out);
         RestartFactoredOverflow(h, g_copy, out, m);
       }
+      if (a.m_stall) stall_codes = (const uint8_t*)std::memcpy(v, codes, h);
       EncodeFirstMomentScaled(a.m_stochastic, h, m, rounding, a.row_base[i],
                               a.m_scales_out + i * blocks, a.m_out + i * h, stall_codes);
     } else {
       Momentum(a.step == FirstMomentStep::kMomentumNesterov, h, g_row, codes, scales,
                a.m_table, a.momentum, m, out);
+      if (a.m_stall) stall_codes = (const uint8_t*)std::memcpy(v, codes, h);
       EncodeFirstMoment(a.m_stochastic, h, m, rounding, a.row_base[i],
                         a.m_scales_out + i * blocks, a.m_out + i * h, stall_codes);
     }
