@@ -64,9 +64,9 @@ class PallasConfig:
   Attributes:
     interpret: run the kernels in Pallas interpret mode (any backend).
     tile_bytes: packed code bytes per kernel program (a power of two; two
-      elements per byte). By default, per fused step: 2048 for the momentum
-      steps (one moment, no square root: 16 elements per thread fit in 64
-      registers), 1024 for the others.
+      elements per byte). By default 2048 for every fused step (16 elements
+      per thread), and 512 on a ragged leaf with a ``stall_only`` moment
+      (fewer registers; `_step_tile_bytes`).
     num_warps: Triton warps per program (a power of two).
     update_in_place: write each leaf's update over its gradient (when their
       dtypes match). In a train step, where ``jax.grad`` makes the gradients
