@@ -102,7 +102,9 @@ def test_wheel_is_tagged_for_this_platform_and_holds_the_package(dists):
     kernel_bytes = zf.getinfo(KERNEL).file_size
   assert not _modules() - names, f"modules missing from the wheel: {_modules() - names}"
   if sys.platform.startswith("linux"):
-    assert kernel_bytes < 1_000_000, f"{KERNEL} is {kernel_bytes} bytes: not stripped?"
+    # Stripped: 1.39 MB since the stall rule's row functions (issue 50; 0.90 MB before).
+    # Unstripped (Python's CFLAGS carry -g) it was 2.7 MB when stripped was 0.24 MB.
+    assert kernel_bytes < 2_000_000, f"{KERNEL} is {kernel_bytes} bytes: not stripped?"
 
 
 def test_sdist_holds_the_kernel_sources(dists):
