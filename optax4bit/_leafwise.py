@@ -451,7 +451,8 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
       if plan.needs_second_pass:
         chunk_scales = tuple(s if f is None else _take_rows(s, start, size, f)
                              for s, f in zip(new_global[i], plan.scale_factors))
-      stored_codes = _take_rows(bufs[i][0], start, size, plan.codes_factor)
+      stored_codes = (_take_rows(bufs[i][0], start, size, plan.codes_factor)
+                      if moment.spec.stall_only else None)
       codes, chunk_scales = _codecs.encode(new[i], moment.spec, layout, keys[i], leaf.context,
                                            start, chunk_scales, stored_codes)
       local = () if plan.needs_second_pass else chunk_scales  # global ones at the end
