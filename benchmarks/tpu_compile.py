@@ -22,9 +22,10 @@ Settings (``--settings``):
   divides its width, heads, vocabulary and sequence.
 
 Params and gradients are in the row's dtype (``--dtypes``: float32, bfloat16).
-``implementation="auto"`` resolves from the default device when the update is
-traced: the update is traced under ``jax.default_device(<the TPU device>)``, so
-``"auto"`` picks what it would pick on that TPU, not this machine's CPU kernel.
+``implementation="auto"`` follows the platform the update is compiled for
+(`optax4bit.dispatch.per_platform`): traced here, with this machine's CPU as
+the default device, it runs the TPU's engine, as a user's ahead-of-time
+compile from a CPU host does.
 
 Columns (from the compiled executable):
 
@@ -300,10 +301,9 @@ def compile_step(tx, setting: str, dtype, device, scale: int = 1):
     params = training_memory.param_shapes(cfg, dtype)
   state = jax.eval_shape(tx.init, params)
   start = time.perf_counter()
-  # "auto" resolves from the default device when the update is traced. The
-  # gradients are donated in the update setting whether or not an output can
-  # reuse them (optax's adamw returns params and 2 moments: one buffer spare).
-  with jax.default_device(device), warnings.catch_warnings():
+  # The gradients are donated in the update setting whether or not an output
+  # can reuse them (optax's adamw returns params and 2 moments: one buffer spare).
+  with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Some donated buffers were not usable")
     if setting == "update":
       def step(params, state, grads):

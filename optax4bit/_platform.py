@@ -1,15 +1,22 @@
 """Platforms: the one an update traced now will run on, for
-``implementation="auto"`` (`default_platform`), and a check, when a
-computation is compiled, that a kernel is compiled for a platform it runs on
+``implementation="auto"`` (`default_platform`), those this process can
+compile for (`installed_platforms`), and a check, when a computation is
+compiled, that a kernel is compiled for a platform it runs on
 (`compiled_only_for`)."""
 
 from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import pkgutil
 
 import jax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-__all__ = ["compiled_only_for", "default_platform"]
+__all__ = ["compiled_only_for", "default_platform", "installed_platforms"]
 
 
 def default_platform() -> str:
@@ -24,6 +31,31 @@ def default_platform() -> str:
   if isinstance(device, str):
     device = jax.devices(device)[0]
   return device.platform
+
+
+@functools.cache
+def installed_platforms() -> frozenset:
+  """XLA's names of the platforms this process can compile for, devices or
+  not (a deviceless compile): ``"cpu"``, ``"tpu"`` where libtpu is
+  installed, and ``"cuda"``/``"rocm"`` where a JAX plugin of that name is.
+  Found without initializing a backend.
+
+  Example:
+    >>> from optax4bit._platform import installed_platforms
+    >>> "cpu" in installed_platforms()
+    True
+  """
+  platforms = {"cpu"}
+  if importlib.util.find_spec("libtpu") is not None or os.environ.get("TPU_LIBRARY_PATH"):
+    platforms.add("tpu")
+  try:
+    import jax_plugins  # pylint: disable=import-outside-toplevel  (a namespace package)
+    plugins = [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+  except ImportError:
+    plugins = []
+  plugins += [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
+  platforms.update(p for p in ("cuda", "rocm") if any(p in name for name in plugins))
+  return frozenset(platforms)
 
 
 # The kernels are chosen when the update is traced, but the platform is known

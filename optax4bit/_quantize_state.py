@@ -516,7 +516,7 @@ def _decoded_abstract(tree):
 
 def update(config: Config, updates, state, params=None, **extra_args):
   """``quantize_state(...).update``, with the backend's 4-bit codecs where it
-  has them (`optax4bit.dispatch.resolve`)."""
+  has them (`optax4bit.dispatch.per_platform`)."""
   if not isinstance(state, QuantizedState):
     raise ValueError(f"state must be the QuantizedState of quantize_state's init, got "
                      f"{type(state).__name__}.")
@@ -540,20 +540,23 @@ def update(config: Config, updates, state, params=None, **extra_args):
   mirror_leaves = {k: params_def.flatten_up_to(split.outer_leaves[k]) for k in mirrors}
   update_names = leaf_names(updates)
   _check_update_inputs(split)
-  step = _Step(config, split, mirrors, count, extra_args, update_names,
-               _dispatch.resolve(config.implementation).codecs)
-  if config.per_leaf is False or (config.per_leaf is None and _not_separable(
+  whole_tree = config.per_leaf is False or (config.per_leaf is None and _not_separable(
       _function_argument_problem(extra_args) or update_problem(
           config.inner.update, jax.tree.map(abstract_leaf, updates),
           jax.tree.map(abstract_leaf, _decoded_abstract(state.inner_state)),
           None if params is None else jax.tree.map(abstract_leaf, params), params_def, split,
-          extra_args))):
-    new_updates, new_state = _update_whole_tree(step, updates, params, params_def, grads,
-                                                mirror_leaves)
-    return new_updates, QuantizedState(new_state, count)
-  results = _update_per_leaf(step, grads, param_leaves, mirror_leaves)
-  new_updates = params_def.unflatten([u for u, _ in results])
-  new_state = _assemble(split, params_def, mirrors, [r for _, r in results])
+          extra_args)))
+
+  def update_with(backend):
+    step = _Step(config, split, mirrors, count, extra_args, update_names, backend.codecs)
+    if whole_tree:
+      return _update_whole_tree(step, updates, params, params_def, grads, mirror_leaves)
+    results = _update_per_leaf(step, grads, param_leaves, mirror_leaves)
+    return (params_def.unflatten([u for u, _ in results]),
+            _assemble(split, params_def, mirrors, [r for _, r in results]))
+
+  new_updates, new_state = _dispatch.per_platform(config.implementation, update_with,
+                                                  codecs_only=True)
   return new_updates, QuantizedState(new_state, count)
 
 

@@ -3,15 +3,17 @@ reference, leaf by leaf.
 
 Every optimizer of the library takes ``implementation=``:
 
-* ``"auto"`` (default): the Pallas kernels on a CUDA GPU where they compile
-  (the default device's platform, ``jax.default_backend()`` unless
-  ``jax.default_device`` names another; not ROCm); the XLA engine on any
-  other GPU; on the CPU the
+* ``"auto"`` (default): the engine of the platform the update is compiled
+  for (`per_platform`; a CPU host compiling for a TPU picks the TPU's):
+  on a CUDA GPU the Pallas kernels where they compile (probed on the default
+  device; a GPU the process cannot probe runs the XLA engine); the XLA engine
+  on any other GPU; on the CPU the
   compiled C++ kernels of `optax4bit.cpu` where they are installed and faster
   than the jnp path (their AVX-512 and AVX2 builds; 4-bit AdamW, AdamW with a
   factored second moment, SGD with momentum and `adamw_8bit`; everything else
   runs the jnp engine, with the kernel's 4-bit codecs); the jnp reference
-  elsewhere.
+  elsewhere (TPUs). Outside a trace the default device's platform decides
+  (``jax.default_backend()`` unless ``jax.default_device`` names another).
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
 * ``"xla"``: the XLA engine (`optax4bit.xla`): every leaf in one piece, no
   loop, no gather, any platform; the jnp reference's codes.
@@ -29,25 +31,30 @@ Every optimizer of the library takes ``implementation=``:
   backend (slow; for tests).
 * a `PallasConfig`: interpret mode and tiling options.
 
-The choice is made once when the update is traced, by `resolve`, the one
-place that reads ``implementation``: it returns a `Backend`, whose fused
+The choice is made when the update is traced, by `resolve` and
+`per_platform`, the one place that reads ``implementation``: it gives a
+`Backend`, whose fused
 steps (`optax4bit.pallas.steps.PallasSteps`, `optax4bit.cpu.ffi.CpuSteps`:
 `FusedSteps`) decline the leaves their kernels do not cover, which then run
 the jnp reference with the backend's codecs.
 
-Layers: `optax4bit.transform` and `optax4bit.quantize_state` ask `resolve`
-for a backend; the backends (`optax4bit.pallas`, `optax4bit.cpu`) share the
+Layers: `optax4bit.transform` and `optax4bit.quantize_state` ask
+`per_platform` for a backend; the backends (`optax4bit.pallas`,
+`optax4bit.cpu`) share the
 step definitions and their coefficients (`optax4bit._steps`) and never import
 each other.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol, Sequence, Union
+import functools
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence, TypeVar, Union
+
+import jax
 
 from optax4bit import cpu as _cpu
 from optax4bit._leaf_context import Codecs, LeafContext
-from optax4bit._platform import default_platform
+from optax4bit._platform import default_platform, installed_platforms
 from optax4bit._steps import FusedStep
 from optax4bit._validation import IMPLEMENTATIONS
 from optax4bit.cpu import codec as _cpu_codec
@@ -58,9 +65,10 @@ from optax4bit.xla import codec as _xla_codec
 from optax4bit.xla import steps as _xla_steps
 
 __all__ = ["IMPLEMENTATIONS", "Backend", "FusedSteps", "Implementation", "check_implementation",
-           "codecs", "fused_steps", "resolve"]
+           "codecs", "fused_steps", "per_platform", "resolve"]
 
 Implementation = Union[str, PallasConfig]
+T = TypeVar("T")
 
 
 class FusedSteps(Protocol):
@@ -119,10 +127,34 @@ def check_implementation(implementation: Implementation, *,
   raise _invalid(implementation)
 
 
+def _auto(platform: str) -> tuple[str, Backend]:
+  """The engine ``"auto"`` runs in a computation lowered for ``platform``
+  (XLA's names: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``), named.
+
+  The Pallas kernels run only where the default device is a CUDA GPU on which
+  they compile (`optax4bit.pallas.steps.kernels_run_here`: the probe needs the
+  GPU); a GPU the process cannot probe (a deviceless compile) runs the XLA
+  engine, which compiles anywhere.
+  """
+  if platform == "cpu":
+    steps = _cpu_ffi.CpuSteps() if _cpu.faster_than_jnp() else None
+    codecs_ = _cpu_codec if _cpu_codec.available() else None
+    return ("cpu" if steps else "jnp, C++ codecs" if codecs_ else "jnp"), Backend(steps, codecs_)
+  if platform == "cuda" and _pallas_steps.kernels_run_here():
+    return "pallas", Backend(_pallas_steps.PallasSteps(PallasConfig().options))
+  if platform in ("cuda", "rocm"):
+    return "xla", _xla_backend()
+  # On a TPU the jnp engine stays: the XLA engine's 4-bit pairs make XLA:TPU
+  # transpose every array of a leaf (docs/kernels.md: 4.5x optax.adamw's
+  # bytes and 1.5x the jnp engine's temp on a v5e).
+  return "jnp", Backend()
+
+
 def resolve(implementation: Implementation, platform: Optional[str] = None) -> Backend:
   """The `Backend` of ``implementation`` for an update compiled for
-  ``platform`` (``"cpu"``, ``"gpu"``, ...; default: the default device's,
-  `optax4bit._platform.default_platform`). Call once per trace of an update.
+  ``platform`` (``"cpu"``, ``"gpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``;
+  default: the default device's, `optax4bit._platform.default_platform`).
+  An update follows the platform it is lowered for through `per_platform`.
 
   Example:
     >>> from optax4bit import dispatch
@@ -130,6 +162,8 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
     Backend(steps=None, codecs=None, whole_leaves=False)
     >>> dispatch.resolve("xla").whole_leaves
     True
+    >>> dispatch.resolve("auto", platform="tpu")
+    Backend(steps=None, codecs=None, whole_leaves=False)
     >>> dispatch.resolve("pallas_interpret").steps.options.interpret
     True
   """
@@ -144,20 +178,67 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
     return _xla_backend()
   if implementation == "auto":
     platform = default_platform() if platform is None else platform
-    if platform == "cpu":
-      return Backend(_cpu_ffi.CpuSteps() if _cpu.faster_than_jnp() else None,
-                     _cpu_codec if _cpu_codec.available() else None)
-    if platform == "gpu" and _pallas_steps.kernels_run_here():
-      return Backend(_pallas_steps.PallasSteps(PallasConfig().options))
-    if platform == "gpu":
-      return _xla_backend()
-    # On a TPU the jnp engine stays: the XLA engine's 4-bit pairs make XLA:TPU
-    # transpose every array of a leaf (docs/kernels.md: 4.5x optax.adamw's
-    # bytes and 1.5x the jnp engine's temp on a v5e).
-    return Backend()
+    return _auto("cuda" if platform == "gpu" else platform)[1]
   if implementation == "jnp":
     return Backend()
   raise _invalid(implementation)
+
+
+def per_platform(implementation: Implementation, body: Callable[[Backend], T], *,
+                 codecs_only: bool = False) -> T:
+  """``body(backend)`` with the `Backend` of ``implementation``. For
+  ``"auto"``, the backend of the platform the computation is lowered for
+  (`jax.lax.platform_dependent`), not the process's default device: an
+  update compiled for a TPU from a CPU host runs the TPU's engine. Every
+  engine gives the same codes, so the state has one form on every platform.
+
+  A branch is traced for each distinct engine of the platforms with their
+  own (`_own_engine_platforms`): where the default device is a CPU, those
+  this process can compile for (`optax4bit._platform.installed_platforms`:
+  the CPU, TPUs where libtpu is installed, GPUs where a JAX plugin is); on
+  an accelerator, its own platform. Where there are two or more, any other
+  platform runs the jnp engine. So a machine with only a CPU, or a TPU host,
+  traces one engine, and a GPU host two (its own and the jnp engine, for a
+  computation compiled for its CPU). To `jax.export` from a machine with only
+  a CPU for another platform, pass ``implementation="jnp"``. Only the
+  lowered platform's branch is compiled. ``codecs_only``: engines that
+  differ only in their steps count as one, for a ``body`` that reads only
+  ``backend.codecs``. ``body`` must return a tree of arrays.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax4bit import dispatch
+    >>> f = jax.jit(lambda x: dispatch.per_platform(
+    ...     "auto", lambda backend: x + backend.whole_leaves))
+    >>> f(jnp.float32(1)).item()  # the CPU's engine works in chunks of rows
+    1.0
+  """
+  if implementation != "auto":
+    return body(resolve(implementation))
+  groups: dict = {}
+  for platform in sorted(_own_engine_platforms()):
+    name, backend = _auto(platform)
+    key = backend.codecs if codecs_only else name
+    groups.setdefault(key, (functools.partial(body, backend), []))[1].append(platform)
+  if len(groups) == 1 and default_platform() == "cpu":
+    (branch, _), = groups.values()
+    return branch()
+  default_key = None if codecs_only else "jnp"
+  default = groups.pop(default_key, (functools.partial(body, Backend()), []))[0]
+  if not groups:
+    return default()
+  branches = {platform: branch for branch, platforms in groups.values() for platform in platforms}
+  return jax.lax.platform_dependent(default=default, **branches)
+
+
+def _own_engine_platforms() -> set:
+  """The platforms `per_platform` gives a branch of their own (its docstring)."""
+  default = default_platform()
+  if default == "cpu":
+    return set(installed_platforms())
+  if default == "gpu":
+    return {p for p in installed_platforms() if p in ("cuda", "rocm")} or {"cuda"}
+  return {default}
 
 
 def fused_steps(implementation: Implementation) -> Optional[FusedSteps]:

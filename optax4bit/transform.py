@@ -261,18 +261,20 @@ def scale_by_adam_4bit(
     step = _steps.adam_step(b1, b2, eps, eps_root, count_inc, nesterov)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    backend = _dispatch.resolve(implementation)
     fused_step = _steps.FusedStep.adam(b1, b2, eps, eps_root, count_inc, nesterov)
 
-    def leaf_fn(context, g, m, v, k):
-      out = backend.steps and backend.steps.run(fused_step, g, (m, v), (), k, context=context)
-      if out:
-        return out
-      return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk, context=context)
+    def update_with(backend):
+      def leaf_fn(context, g, m, v, k):
+        out = backend.steps and backend.steps.run(fused_step, g, (m, v), (), k, context=context)
+        if out:
+          return out
+        return _leafwise.update_leaf(step, g, (m, v), keys=k, chunk_size=chunk, context=context)
 
-    # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
-                                       codecs=backend.codecs)
+      # Leaves no fused step covers run the jnp engine, with the backend's codecs.
+      return _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
+                                      codecs=backend.codecs)
+
+    results = _dispatch.per_platform(implementation, update_with)
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -403,26 +405,30 @@ def scale_by_factored_adam_4bit(
     factored_step = _steps.factored_step(b1, b2, eps, eps_root, count_inc)
     keys = _leaf_keys(seed, count_inc, len(grads), 2, stochastic)
 
-    backend = _dispatch.resolve(implementation)
-    fused = backend.steps
     fused_adam = _steps.FusedStep.adam(b1, b2, eps, eps_root, count_inc, False)
     fused_factored = _steps.FusedStep.factored(b1, b2, eps, eps_root, count_inc)
 
-    def leaf_fn(context, g, m, v, k):
-      if not isinstance(v, FactoredMoment):
-        out = fused and fused.run(fused_adam, g, (m, v), (), k, context=context)
-        return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk,
-                                            context=context)
-      g, v = _factored_second_moment(g, v, b2, None if backend.whole_leaves else chunk, context)
-      side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
-      out = fused and fused.run(fused_factored, g, (m,), side, k[:1], context=context)
-      update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
-                                                  chunk_size=chunk, context=context)
-      return update, (m, v)
+    def update_with(backend):
+      fused = backend.steps
 
-    # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    results = _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
-                                       codecs=backend.codecs)
+      def leaf_fn(context, g, m, v, k):
+        if not isinstance(v, FactoredMoment):
+          out = fused and fused.run(fused_adam, g, (m, v), (), k, context=context)
+          return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk,
+                                              context=context)
+        g, v = _factored_second_moment(g, v, b2, None if backend.whole_leaves else chunk,
+                                       context)
+        side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
+        out = fused and fused.run(fused_factored, g, (m,), side, k[:1], context=context)
+        update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],
+                                                    chunk_size=chunk, context=context)
+        return update, (m, v)
+
+      # Leaves no fused step covers run the jnp engine, with the backend's codecs.
+      return _leafwise.sequential_map(leaf_fn, grads, flat["mu"], flat["nu"], keys,
+                                      codecs=backend.codecs)
+
+    results = _dispatch.per_platform(implementation, update_with)
     new_updates = treedef.unflatten([u for u, _ in results])
     mu = state_def.unflatten([m for _, (m, _) in results])
     nu = state_def.unflatten([v for _, (_, v) in results])
@@ -518,17 +524,19 @@ def scale_by_momentum_4bit(
 
     step = _steps.momentum_step(momentum, nesterov)
 
-    backend = _dispatch.resolve(implementation)
     fused_step = _steps.FusedStep.heavy_ball(momentum, nesterov)
 
-    def leaf_fn(context, g, t, k):
-      out = backend.steps and backend.steps.run(fused_step, g, (t,), (), k, context=context)
-      return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk,
-                                          context=context)
+    def update_with(backend):
+      def leaf_fn(context, g, t, k):
+        out = backend.steps and backend.steps.run(fused_step, g, (t,), (), k, context=context)
+        return out or _leafwise.update_leaf(step, g, (t,), keys=k, chunk_size=chunk,
+                                            context=context)
 
-    # Leaves no fused step covers run the jnp engine, with the backend's codecs.
-    results = _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys,
-                                       codecs=backend.codecs)
+      # Leaves no fused step covers run the jnp engine, with the backend's codecs.
+      return _leafwise.sequential_map(leaf_fn, grads, flat["trace"], keys,
+                                      codecs=backend.codecs)
+
+    results = _dispatch.per_platform(implementation, update_with)
     new_updates = treedef.unflatten([u for u, _ in results])
     trace = state_def.unflatten([t for _, (t,) in results])
     return new_updates, ScaleByMomentum4bitState(count_inc, trace)

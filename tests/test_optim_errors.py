@@ -243,12 +243,14 @@ def test_optax_inject_hyperparams_needs_static_args(factory):
     lambda: optax4bit.adamw_4bit(1e-3, implementation="cpu"),
     lambda: optax4bit.sgdm_4bit(1e-2, implementation="cpu"),
     lambda: optax4bit.adamw_8bit(1e-3, implementation="cpu"),
-    # quantize_state runs the kernel's codecs under "auto" ("cpu" is for fused steps).
+    # quantize_state runs the kernel's codecs under "auto" ("cpu" is for fused steps),
+    # in a process that compiles only for the CPU (one engine traced).
     lambda: optax4bit.quantize_state(optax.adam(1e-3), implementation="auto"),
 ], ids=["adamw_4bit", "sgdm_4bit", "adamw_8bit", "quantize_state auto"])
-def test_cpu_kernel_compiled_for_a_gpu_names_implementation(factory):
+def test_cpu_kernel_compiled_for_a_gpu_names_implementation(factory, monkeypatch):
   """Compiled for CUDA (exported here, without a GPU), the C++ kernel's calls
   raise optax4bit's error instead of XLA's "No FFI handler registered"."""
+  monkeypatch.setattr(optax4bit.dispatch, "installed_platforms", lambda: frozenset({"cpu"}))
   tx = factory()
   params = {"w": jnp.zeros((32, 256))}  # above the smallest quantized leaf
   state = jax.eval_shape(tx.init, params)

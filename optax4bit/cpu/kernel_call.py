@@ -1,9 +1,11 @@
 """`jax.ffi.ffi_call` for the C++ kernel's targets, refused by name where the
 computation is compiled for another platform.
 
-The targets are registered for XLA's CPU backend only. Compiled for a GPU
-(``implementation="cpu"`` with arrays on a GPU, or ``"auto"`` traced with a
-CPU default device and run on GPU arrays), the call raises a `ValueError`
+The targets are registered for XLA's CPU backend only. Compiled for another
+platform (``implementation="cpu"`` with arrays on a GPU or TPU; ``"auto"``
+exported for another platform from a process that compiles only for the CPU,
+or for several platforms at once), the call
+raises a `ValueError`
 that says what to do (`optax4bit._platform.compiled_only_for` on its first
 operand) instead of XLA's "No FFI handler registered ... on a platform CUDA".
 
@@ -23,10 +25,11 @@ from optax4bit._platform import compiled_only_for
 
 __all__ = ["kernel_call"]
 
-_ERROR = ("optax4bit's C++ CPU kernel (implementation='cpu', or 'auto' traced while the default "
-          "device was a CPU) cannot run in a computation compiled for {platforms}: XLA runs it on "
-          "CPU devices only. Pass implementation='auto' with the arrays' device as the default "
-          "device (it picks the Pallas kernels on a GPU), or implementation='jnp'.")
+_ERROR = ("optax4bit's C++ CPU kernel (implementation='cpu'; or 'auto' in a process that "
+          "compiles only for the CPU, or lowered for several platforms at once) cannot run in a "
+          "computation compiled for {platforms}: XLA runs it on CPU devices only. Pass "
+          "implementation='jnp' (any platform, and several at once), or 'auto' in a process "
+          "with the platform's compiler installed (the engine of the platform compiled for).")
 
 
 def kernel_call(target: str, result_shape_dtypes, **kwargs):

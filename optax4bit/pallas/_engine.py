@@ -302,10 +302,11 @@ def _step_kernel(plan: _Plan, fn: Callable, triton: bool, *refs):
 
 
 _COMPILED_FOR_CPU_ERROR = (
-    "optax4bit's Pallas kernels (implementation='pallas', or 'auto' traced while the default "
-    "device was a GPU) compile for GPUs only, and this computation is compiled for {platforms}. "
-    "Pass implementation='auto' with the arrays' device as the default device, 'jnp', or "
-    "'pallas_interpret' (the kernels in interpret mode, slow).")
+    "optax4bit's Pallas kernels (implementation='pallas', or 'auto' lowered for several "
+    "platforms at once) compile for CUDA GPUs only, and this computation is compiled for "
+    "{platforms}. Pass implementation='auto' (the engine of the platform the update is "
+    "compiled for), 'jnp' to lower for several platforms, or 'pallas_interpret' (the kernels "
+    "in interpret mode, slow).")
 
 
 def _call(plan: _Plan, fn, stats_pass: bool, inputs: list, out_shapes: list, aliases: dict,
