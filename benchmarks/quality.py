@@ -67,7 +67,9 @@ Problems (CPU, jitted, no downloads):
 ``--variants`` also takes the candidate recipes of issues 40 and 50 (`CANDIDATE_VARIANTS`;
 ``adamw_4bit_m_stall`` and ``adamw_4bit_mv_stall`` round m, or m and v, with the
 library's ``QuantSpec(stochastic=True, stall_only=True)``, skipped where it has none),
-``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`) and rounding rules the
+``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`), ``adamw_4bit_factor_largest2``
+(4-bit Factor over the two largest axes of 3-D leaves, `factored_over_two_largest_axes`)
+and rounding rules the
 library does not have, simulated in float32 (`SIMULATED_VARIANTS`,
 `scale_by_adam_simulated_4bit`: the same 4-bit values, not the bytes); ``--diagnose``
 reports `optax4bit.diagnostics`' update-direction error of the chosen LMs.
@@ -224,8 +226,13 @@ SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
                       "sim_4bit_m_sr_v_fp32": ("sr", "fp32"),
                       "sim_m_fp32_v_sqrtlinear_sr": ("fp32", "Rank-1/SqrtLinear:sr"),
                       "sim_m_fp32_v_b128_sqrtlinear": ("fp32", "B128/SqrtLinear")}
+# Issue 50, item 4: 4-bit Factor whose 3-D leaves are factored over their two
+# largest axes, as Adafactor does, not over the last two (Flax's attention
+# kernels (d, heads, head_dim) then factor (d, head_dim) per head);
+# `factored_over_two_largest_axes`.
+FACTOR_LARGEST2 = "adamw_4bit_factor_largest2"
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
-VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32,)
+VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32, FACTOR_LARGEST2)
             + tuple(SIMULATED_VARIANTS) + tuple(STEP_SCALED_VARIANTS))
 
 
@@ -256,8 +263,8 @@ def variant_unavailable(variant: str) -> Optional[str]:
         "stall_only" not in inspect.signature(optax4bit.QuantSpec.parse).parameters:
       return "optax4bit.QuantSpec has no stall_only rounding"
     return None
-  if variant in (REFERENCE, FACTOR_FP32) or variant in SIMULATED_VARIANTS or \
-      variant in STEP_SCALED_VARIANTS:
+  if variant in (REFERENCE, FACTOR_FP32, FACTOR_LARGEST2) or variant in SIMULATED_VARIANTS \
+      or variant in STEP_SCALED_VARIANTS:
     return None
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if recipe is not None and not _accepts(getattr(optax4bit, builder), "recipe"):
@@ -290,6 +297,10 @@ def variant_quantizers(variant: str) -> dict:
     resolved = optax4bit.recipes.resolve("default", **candidate_specs(variant))
     return {"first_moment": spec_key(resolved.first_moment),
             "second_moment": spec_key(resolved.second_moment)}
+  if variant == FACTOR_LARGEST2:
+    quantizers = variant_quantizers("adamw_4bit_factor")
+    return {**quantizers, "second_moment": quantizers["second_moment"].replace(
+        "Factor (ndim >= 2)", "Factor (ndim >= 2; 3-D over the two largest axes)")}
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if builder == "adamw_8bit":
     return {"first_moment": spec_key(optax4bit.alias.EIGHT_BIT_FIRST_MOMENT),
@@ -349,6 +360,10 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
     tx = optax.chain(scale_by_factored_adam_fp32(),
                      optax.add_decayed_weights(t.weight_decay, mask),
                      optax.scale_by_learning_rate(lr))
+  elif variant == FACTOR_LARGEST2:
+    tx = factored_over_two_largest_axes(optax4bit.adamw_4bit_factor(
+        lr, weight_decay=t.weight_decay, mask=mask, min_quantize_size=t.min_quantize_size,
+        seed=seed))
   else:
     builder_name, recipe = QUANTIZED_VARIANTS.get(variant, ("adamw_4bit", None))
     builder = getattr(optax4bit, builder_name)
@@ -364,6 +379,40 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
   if t.clip_norm:
     tx = optax.chain(optax.clip_by_global_norm(t.clip_norm), tx)
   return tx
+
+
+def _largest_axes_last(shape: tuple) -> Optional[tuple]:
+  """The permutation that moves a 3-D shape's smallest axis first (the two
+  largest then last, in their order; the first of equal sizes counts as
+  smaller); None for other ranks."""
+  if len(shape) != 3:
+    return None
+  smallest = min(range(3), key=lambda a: (shape[a], a))
+  return (smallest,) + tuple(a for a in range(3) if a != smallest)
+
+
+def factored_over_two_largest_axes(
+    inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``inner`` on 3-D leaves transposed so that their two largest axes are
+  the last two (what `optax4bit.adamw_4bit_factor` factors), its updates
+  transposed back; other leaves as they are. The state is ``inner``'s, in
+  the transposed layout."""
+
+  def forward(tree):
+    return jax.tree.map(lambda x: x if _largest_axes_last(x.shape) is None else
+                        jnp.transpose(x, _largest_axes_last(x.shape)), tree)
+
+  def init(params):
+    return inner.init(forward(params))
+
+  def update(updates, state, params=None):
+    new, state = inner.update(forward(updates), state, None if params is None else
+                              forward(params))
+    return jax.tree.map(lambda u, like: u if _largest_axes_last(like.shape) is None else
+                        jnp.transpose(u, np.argsort(_largest_axes_last(like.shape))),
+                        new, updates), state
+
+  return optax.GradientTransformation(init, update)
 
 
 def scale_by_adam_simulated_4bit(rounding: str, second_moment: str, seed: int,

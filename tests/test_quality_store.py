@@ -109,3 +109,31 @@ def test_the_stall_candidates_and_the_keys_of_stall_free_specs(quality):
   assert all(s.stochastic and s.stall_only for s in both.values())
   assert both["second_moment"].name == "Rank-1/SqrtLinear"
   assert "stall_only=True" in quality.variant_quantizers("adamw_4bit_m_stall")["first_moment"]
+
+
+def test_factoring_over_the_two_largest_axes_transposes_3d_leaves_only(quality):
+  """Issue 50, item 4: Adam through the wrapper is Adam (elementwise: any
+  layout gives the same update); its state holds q/k/v-like (d, heads,
+  head_dim) kernels as (heads, d, head_dim), out-like (heads, head_dim, d)
+  and 2-D leaves as they are."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  params = {"qkv": jnp.zeros((192, 4, 48)), "out": jnp.zeros((4, 48, 192)),
+            "mlp": jnp.zeros((192, 768))}
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size + p.shape[0]), p.shape),
+                       params)
+  wrapped = quality.factored_over_two_largest_axes(optax.adam(1e-2))
+  state = wrapped.init(params)
+  assert {k: v.shape for k, v in state[0].mu.items()} == {
+      "qkv": (4, 192, 48), "out": (4, 48, 192), "mlp": (192, 768)}
+  updates, _ = wrapped.update(grads, state, params)
+  reference, _ = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(params), params)
+  for k in params:
+    np.testing.assert_array_equal(updates[k], reference[k])
+  tx = quality.make_optimizer(quality.FACTOR_LARGEST2, quality.Training(steps=10,
+                                                                        learning_rate=1e-3), 0)
+  factored = tx.init(params)
+  rows = [x.shape for x in jax.tree.leaves(factored) if getattr(x, "shape", ()) == (4, 192, 1)]
+  assert rows, "the q/k/v-like kernel is not factored over (192, 48)"
