@@ -15,7 +15,8 @@ DEFAULT_MIN_QUANTIZE_SIZE = 4096
 DEFAULT_CHUNK_SIZE = 1 << 18
 MaskOrFn = Optional[Union[Any, Callable[[optax.Params], Any]]]
 # The names of ``implementation=`` (see `optax4bit.dispatch`).
-IMPLEMENTATIONS = ("auto", "jnp", "xla", "cpu", "pallas", "pallas_interpret")
+IMPLEMENTATIONS = ("auto", "jnp", "xla", "tpu", "tpu_interpret", "cpu", "pallas",
+                   "pallas_interpret")
 
 
 def is_static_number(x) -> bool:

@@ -11,12 +11,18 @@ Every optimizer of the library takes ``implementation=``:
   compiled C++ kernels of `optax4bit.cpu` where they are installed and faster
   than the jnp path (their AVX-512 and AVX2 builds; 4-bit AdamW, AdamW with a
   factored second moment, SGD with momentum and `adamw_8bit`; everything else
-  runs the jnp engine, with the kernel's 4-bit codecs); the jnp reference
-  elsewhere (TPUs). Outside a trace the default device's platform decides
+  runs the jnp engine, with the kernel's 4-bit codecs); on a TPU the Pallas TPU
+  kernels of `optax4bit.tpu` (leaves they do not cover run the jnp engine);
+  the jnp reference elsewhere. Outside a trace the default device's platform decides
   (``jax.default_backend()`` unless ``jax.default_device`` names another).
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
 * ``"xla"``: the XLA engine (`optax4bit.xla`): every leaf in one piece, no
   loop, no gather, any platform; the jnp reference's codes.
+* ``"tpu"``: the Pallas TPU (Mosaic) kernels of `optax4bit.tpu`: 2-D 4-bit
+  leaves whose rows are a multiple of 256 elements, in one or two passes, no
+  loop; other quantized leaves run the jnp engine. Lowers only for a TPU.
+* ``"tpu_interpret"``: the same kernels in Pallas interpret mode, on any
+  backend (slow; for tests).
 * ``"cpu"``: the C++ kernel of `optax4bit.cpu` (XLA CPU backend); an error at
   construction if it is not installed, and a `ValueError` naming
   ``implementation`` where the update is compiled for a GPU
@@ -61,6 +67,7 @@ from optax4bit.cpu import codec as _cpu_codec
 from optax4bit.cpu import ffi as _cpu_ffi
 from optax4bit.pallas import steps as _pallas_steps
 from optax4bit.pallas.steps import PallasConfig
+from optax4bit.tpu import steps as _tpu_steps
 from optax4bit.xla import codec as _xla_codec
 from optax4bit.xla import steps as _xla_steps
 
@@ -93,6 +100,10 @@ class Backend(NamedTuple):
 
 def _xla_backend() -> Backend:
   return Backend(_xla_steps.XlaSteps(), _xla_codec, whole_leaves=True)
+
+
+def _tpu_backend(interpret: bool = False) -> Backend:
+  return Backend(_tpu_steps.TpuSteps(interpret=interpret), whole_leaves=True)
 
 
 def _invalid(implementation) -> ValueError:
@@ -144,9 +155,8 @@ def _auto(platform: str) -> tuple[str, Backend]:
     return "pallas", Backend(_pallas_steps.PallasSteps(PallasConfig().options))
   if platform in ("cuda", "rocm"):
     return "xla", _xla_backend()
-  # On a TPU the jnp engine stays: the XLA engine's 4-bit pairs make XLA:TPU
-  # transpose every array of a leaf (docs/kernels.md: 4.5x optax.adamw's
-  # bytes and 1.5x the jnp engine's temp on a v5e).
+  if platform == "tpu":
+    return "tpu", _tpu_backend()
   return "jnp", Backend()
 
 
@@ -162,8 +172,8 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
     Backend(steps=None, codecs=None, whole_leaves=False)
     >>> dispatch.resolve("xla").whole_leaves
     True
-    >>> dispatch.resolve("auto", platform="tpu")
-    Backend(steps=None, codecs=None, whole_leaves=False)
+    >>> dispatch.resolve("auto", platform="tpu").steps
+    TpuSteps(interpret=False)
     >>> dispatch.resolve("pallas_interpret").steps.options.interpret
     True
   """
@@ -176,6 +186,8 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
     return Backend(_cpu_ffi.CpuSteps(), _cpu_codec if _cpu_codec.registered() else None)
   if implementation == "xla":
     return _xla_backend()
+  if implementation in ("tpu", "tpu_interpret"):
+    return _tpu_backend(implementation == "tpu_interpret")
   if implementation == "auto":
     platform = default_platform() if platform is None else platform
     return _auto("cuda" if platform == "gpu" else platform)[1]
@@ -197,8 +209,8 @@ def per_platform(implementation: Implementation, body: Callable[[Backend], T], *
   this process can compile for (`optax4bit._platform.installed_platforms`:
   the CPU, TPUs where libtpu is installed, GPUs where a JAX plugin is); on
   an accelerator, its own platform. Where there are two or more, any other
-  platform runs the jnp engine. So a machine with only a CPU, or a TPU host,
-  traces one engine, and a GPU host two (its own and the jnp engine, for a
+  platform runs the jnp engine. So a machine with only a CPU traces one
+  engine, and a GPU or TPU host two (its own and the jnp engine, for a
   computation compiled for its CPU). To `jax.export` from a machine with only
   a CPU for another platform, pass ``implementation="jnp"``. Only the
   lowered platform's branch is compiled. ``codecs_only``: engines that

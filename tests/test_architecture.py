@@ -224,7 +224,7 @@ def test_the_public_api_is_the_top_layer_and_nothing_below_imports_it(layers):
     assert public in top
   assert not [p for _, patterns in layers[1:] for p in patterns
               if not p.startswith("_")
-              and p not in ("dispatch", "pallas/", "cpu/", "xla/", "quant/")]
+              and p not in ("dispatch", "pallas/", "cpu/", "xla/", "tpu/", "quant/")]
 
 
 def test_the_checks_catch_a_bad_import(layers, tmp_path):

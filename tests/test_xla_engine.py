@@ -118,11 +118,11 @@ def test_unpack_fusible_equals_unpack(length):
   np.testing.assert_array_equal(packing.unpack_fusible(packed, length, 4), codes)
 
 
-def test_auto_runs_the_xla_engine_on_gpus_without_pallas_and_jnp_on_tpus(monkeypatch):
+def test_auto_runs_the_xla_engine_on_gpus_without_pallas_and_not_on_tpus(monkeypatch):
   from optax4bit.pallas import steps as pallas_steps
   monkeypatch.setattr(pallas_steps, "kernels_run_here", lambda: False)
   assert dispatch.resolve("auto", "gpu") == dispatch.resolve("xla")
-  assert dispatch.resolve("auto", "tpu") == dispatch.resolve("jnp")
+  assert dispatch.resolve("auto", "tpu") == dispatch.resolve("tpu")
   assert not dispatch.resolve("auto", "cpu").whole_leaves
 
 

@@ -216,20 +216,23 @@ def bracket(x: jax.Array, table: np.ndarray):
   return lower, low, high
 
 
-def encode_nearest(n: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array:
-  """Codes (uint8) of the nearest table entries to float32 ``n``; ties go to
-  the lower index; values outside the table clamp to its ends."""
+def encode_nearest(n: jax.Array, mapping: str, bits: int, signed: bool,
+                   dtype=jnp.uint8) -> jax.Array:
+  """Codes (``dtype``, uint8 by default) of the nearest table entries to
+  float32 ``n``; ties go to the lower index; values outside the table clamp
+  to its ends."""
   if mapping == "Linear":
     # Entries (i + 1) / 2**b, midpoints (i + 1.5) / 2**b: exact in float32.
     levels = 2**bits
     code = jnp.clip(jnp.ceil(n * np.float32(levels) - np.float32(1.5)), 0, levels - 1)
-    return code.astype(jnp.uint8)
-  return count_above(n, midpoint_thresholds(mapping, bits, signed)).astype(jnp.uint8)
+    return code.astype(dtype)
+  return count_above(n, midpoint_thresholds(mapping, bits, signed)).astype(dtype)
 
 
 def encode_stochastic(n: jax.Array, uniform: jax.Array, mapping: str, bits: int,
-                      signed: bool) -> jax.Array:
-  """Unbiased stochastic rounding between the two neighbouring entries.
+                      signed: bool, dtype=jnp.uint8) -> jax.Array:
+  """Unbiased stochastic rounding between the two neighbouring entries
+  (codes of ``dtype``, uint8 by default).
 
   ``uniform`` holds U[0, 1) draws shaped like ``n``. Values outside the table
   clamp to its ends first (the only biased case).
@@ -239,7 +242,7 @@ def encode_stochastic(n: jax.Array, uniform: jax.Array, mapping: str, bits: int,
   lower, low_value, high_value = bracket(n, table)
   gap = high_value - low_value
   round_up_probability = jnp.where(gap > 0, (n - low_value) / jnp.where(gap > 0, gap, 1), 0)
-  return (lower + (uniform < round_up_probability).astype(jnp.int32)).astype(jnp.uint8)
+  return (lower + (uniform < round_up_probability).astype(jnp.int32)).astype(dtype)
 
 
 def decode(codes: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array:

@@ -145,6 +145,13 @@ def normalize(x: jax.Array, scales: tuple, layout: Layout) -> jax.Array:
   infinite and clamp to the table's ends when encoded.
   """
   inverse = _expand(tuple(map(inverse_times_4, scales)), layout, x.shape, jnp.maximum)
+  return normalize_by_inverse(x, inverse)
+
+
+def normalize_by_inverse(x: jax.Array, inverse: jax.Array) -> jax.Array:
+  """`normalize` given ``inverse``, the per-element `inverse_times_4` of the
+  scale (for rank-1, the maximum of the axes' ``inverse_times_4``): for a
+  kernel that combines some axes' inverses ahead of time."""
   n = (x * inverse) * np.float32(0.25)
   return jnp.where(jnp.isnan(n), np.float32(0), n)
 
