@@ -187,3 +187,20 @@ def test_adamw_4bit_update_is_within_its_budgets(update_rows):
                     f"{tpu_compile.format_row(row)}")
   # The state is what shrinks: 4-bit moments and their scales, against 2 x 4 bytes.
   assert row.state_bytes < 0.2 * base.state_bytes
+
+
+@pytest.mark.parametrize("name", ["adamw_4bit", "adamw_4bit_factor"])
+def test_stacked_leaves_compile_to_the_kernels(v5e, name):
+  """A stack of matrices (layers under ``jax.lax.scan``), Factor's per-slab
+  side inputs included, and a leaf whose rows end in a ragged program: the
+  kernels lower for the TPU (interpret mode does not lower them)."""
+  tx = tpu_compile.OPTIMIZERS[name][0]("auto")
+  sharding = jax.sharding.SingleDeviceSharding(v5e)
+  params = {"stack": jax.ShapeDtypeStruct((2, 64, 512), jnp.float32, sharding=sharding),
+            "tall": jax.ShapeDtypeStruct((1100, 256), jnp.float32, sharding=sharding)}
+  state = jax.eval_shape(tx.init, params)
+  state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state)
+  hlo = jax.jit(tx.update).lower(params, state, params).compile().as_text()
+  counts = tpu_compile.hlo_counts(hlo)
+  assert counts["while_loops"] == 0
+  assert counts["custom_calls"].get(tpu_compile.PALLAS_TPU_TARGET, 0) >= 2

@@ -424,7 +424,7 @@ def _spec(plan: Plan, kind: str, shape: tuple):
     return pl.BlockSpec((plan.block_rows, 1), lambda i: (i, 0))
   if kind == "slab":
     return pl.BlockSpec((1,) + tuple(shape[1:]),
-                        lambda i: ((i * plan.block_rows) // plan.slab_rows, 0, 0))
+                        lambda i: (jax.lax.div(i * plan.block_rows, plan.slab_rows), 0, 0))
   return pl.BlockSpec((1,) + tuple(shape[1:]), lambda i: (i, 0, 0))
 
 
