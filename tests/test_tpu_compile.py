@@ -189,7 +189,7 @@ def test_adamw_4bit_update_is_within_its_budgets(update_rows):
   assert row.state_bytes < 0.2 * base.state_bytes
 
 
-@pytest.mark.parametrize("name", ["adamw_4bit", "adamw_4bit_factor"])
+@pytest.mark.parametrize("name", ["adamw_4bit_factor"])
 def test_stacked_leaves_compile_to_the_kernels(v5e, name):
   """A stack of matrices (layers under ``jax.lax.scan``), Factor's per-slab
   side inputs included, and a leaf whose rows end in a ragged program: the
