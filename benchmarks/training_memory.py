@@ -58,6 +58,8 @@ Usage:
   python benchmarks/training_memory.py --budgets 24 80 --skip-table
   python benchmarks/training_memory.py --optimizers adamw_4bit_bf16 --skip-table \
       --out benchmarks/results/training_memory_bf16.json
+  python benchmarks/training_memory.py --budgets 16 --skip-table --tpu-target v5e \
+      --optimizers adamw adamw_4bit --out /tmp/tpu_v5e.json     # a TPU v5e's compiler
   python benchmarks/training_memory.py --optimizers adamw_4bit adamw_4bit_bf16 \
       --gpu-target benchmarks/gpu_target_h100.txtpb \
       --out benchmarks/results/training_memory_bf16_h100_target.json   # H100's compiler
@@ -202,6 +204,17 @@ def loss_fn(params, tokens, cfg: GPTConfig):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+
+
+def tpu_target_device(generation: str):
+  """The first device of a TPU slice of ``generation`` (compile-only)."""
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  name = TPU_TOPOLOGIES.get(generation, generation)
+  return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
+
+
 def make_optimizer(name: str, **kwargs) -> optax.GradientTransformation:
   if name.endswith(OFFLOADED):
     return optax4bit.offload_state(make_optimizer(name[:-len(OFFLOADED)]), "pinned_host")
@@ -211,7 +224,9 @@ def make_optimizer(name: str, **kwargs) -> optax.GradientTransformation:
     return make_optimizer(name[:-len(BF16_NEAREST)], param_rounding="nearest")
   if name == "adamw":
     return optax.adamw(1e-4)
-  if TARGET_DEVICE is not None:  # `auto` follows the default device, here the CPU
+  if TARGET_DEVICE is not None and TARGET_DEVICE.platform == "gpu":
+    # `auto` cannot probe a GPU this process does not have (it runs the XLA engine);
+    # on a TPU target `auto` follows the platform compiled for, the TPU engine.
     kwargs["implementation"] = "pallas"
   return getattr(optax4bit, name)(1e-4, **kwargs)
 
@@ -248,6 +263,15 @@ def inflight_bytes(opt_state) -> tuple:
   return largest_leaf, max(per_param.values(), default=0)
 
 
+def over_hbm_temp_bytes(message: str):
+  """The temporaries' bytes of XLA:TPU's "Ran out of memory on HBM" compile
+  error (None for any other error)."""
+  match = re.search(r"memory required for HLO temporaries \(([0-9.]+)([KMG])\)", message)
+  if "RESOURCE_EXHAUSTED" not in message or not match:
+    return None
+  return int(float(match.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30}[match.group(2)])
+
+
 def step_memory(cfg: GPTConfig, opt_name: str) -> dict:
   """Compiles one training step and returns its memory (bytes) and compile time.
 
@@ -274,12 +298,23 @@ def step_memory(cfg: GPTConfig, opt_name: str) -> dict:
     return optax.apply_updates(params, updates), opt_state, loss
 
   start = time.perf_counter()
-  compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, opt_state,
-                                                              tokens).compile()
-  seconds = time.perf_counter() - start
-  m = compiled.memory_analysis()
   param_bytes = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params))
   state_bytes = optax4bit.state_nbytes(opt_state)
+  try:
+    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, opt_state,
+                                                                tokens).compile()
+  except jax.errors.JaxRuntimeError as e:
+    over = over_hbm_temp_bytes(str(e))
+    if over is None:
+      raise
+    # XLA:TPU refuses a step larger than the chip's memory: its total is at least
+    # the arguments and the temporaries it says it needed.
+    return {"config": dataclasses.asdict(cfg), "optimizer": opt_name, "params": cfg.n_params,
+            "param_bytes": param_bytes, "state_bytes": state_bytes, "temp_bytes": over,
+            "total_bytes": param_bytes + state_bytes + over, "over_hbm": True,
+            "compile_s": time.perf_counter() - start}
+  seconds = time.perf_counter() - start
+  m = compiled.memory_analysis()
   total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
            + m.temp_size_in_bytes)
   r = {"config": dataclasses.asdict(cfg), "optimizer": opt_name, "params": cfg.n_params,
@@ -404,12 +439,18 @@ def main(argv=None) -> dict:
       help="compile for the GPU this GpuTargetConfigProto text describes, without one "
            "(benchmarks/gpu_target_h100.txtpb; see benchmarks/offload_memory.py); the "
            "state in flight is then the compiler's, not --inflight's")
+  parser.add_argument(
+      "--tpu-target", metavar="GEN",
+      help="compile for the first device of a TPU slice (v5e, v5p, v6e: "
+           "jax.experimental.topologies, libtpu from the tpu-check extra), without one")
   parser.add_argument("--replot", action="store_true",
                       help="only redraw --plot from the results saved in --out (no compiling)")
   args = parser.parse_args(argv)
   INFLIGHT = args.inflight
   if args.gpu_target:
     TARGET_DEVICE = offload_memory.gpu_target_device(args.gpu_target)
+  if args.tpu_target:
+    TARGET_DEVICE = tpu_target_device(args.tpu_target)
   if args.replot:
     with open(args.out) as f:
       saved = json.load(f)
