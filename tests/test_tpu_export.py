@@ -120,7 +120,7 @@ def test_a_cpu_only_process_traces_one_engine(monkeypatch):
       PARAMS, tx.init(PARAMS), PARAMS))
   assert "platform_index" not in jaxpr()
   monkeypatch.setattr(dispatch, "installed_platforms", lambda: frozenset({"cpu", "tpu"}))
-  assert ("platform_index" in jaxpr()) == (dispatch.resolve("auto", "cpu") != dispatch.Backend())
+  assert "platform_index" in jaxpr()  # the TPU's kernels, and the CPU's engine
 
 
 @pytest.mark.usefixtures("every_platform")

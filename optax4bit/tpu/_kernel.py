@@ -413,7 +413,7 @@ def _spec(plan: Plan, kind: str, shape: tuple):
   (the entry of the slab the program's rows are in)."""
   pl, pltpu = _pallas()
   if kind == "smem":
-    return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.BlockSpec(memory_space=pltpu.MemorySpace.SMEM)
   if kind == "whole":
     return pl.BlockSpec(shape, lambda i, n=len(shape): (0,) * n)
   if kind == "rows":
