@@ -253,6 +253,7 @@ def _teacher_forced(variant: str, shapes, dtype=jnp.float32, steps: int = 50,
   return stalled
 
 
+@pytest.mark.slow  # CI's time (22 s); the 10-step variants below run by default
 def test_adam_teacher_forced_50_steps():
   _teacher_forced("adam", SHAPES)
 
@@ -387,7 +388,7 @@ def test_implementation_validation_and_auto():
     assert auto.options == PallasConfig().options
   else:
     assert not isinstance(auto, pallas_steps.PallasSteps)
-  assert dispatch.resolve("auto", "tpu") == dispatch.Backend()
+  assert dispatch.resolve("auto", "tpu") == dispatch.resolve("tpu")  # the TPU engine
 
 
 def test_auto_runs_the_xla_engine_where_the_kernels_do_not_compile(monkeypatch, caplog):

@@ -160,6 +160,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # CI's time (16 s): the XLA engine runs only on GPUs without the Pallas kernels
 def test_sharded_codes_equal_the_unsharded_jnp_engine():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
