@@ -13,6 +13,11 @@ tests directory on ``sys.path``).
 from __future__ import annotations
 
 import contextlib
+import textwrap
+import sys
+import subprocess
+import os
+import json
 import functools
 import math
 
@@ -314,3 +319,52 @@ def cpu_default_device():
   """`on_the_cpu` for a whole test."""
   with on_the_cpu():
     yield
+
+
+# Each optimizer's update on a tree sharded on a 2 x 2 mesh (explicit axes) of 4 CPU
+# devices against the unsharded jnp engine's, in a subprocess (the device count is set
+# before JAX starts); IMPLEMENTATION is filled in by `sharded_against_unsharded_jnp`.
+_SHARDED_AGAINST_JNP = textwrap.dedent("""
+    import json, os
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + \\
+        " --xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np, optax4bit
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {"w": P("data", "model"), "v": P("model"), "c": P(None, "data", "model")}
+    shapes = {"w": (512, 1024), "v": (8192,), "c": (2, 256, 512)}
+    params = {k: jax.random.normal(jax.random.key(i), s) * 0.1
+              for i, (k, s) in enumerate(sorted(shapes.items()))}
+    out = {}
+    for name, make in [("adamw_4bit", lambda i: optax4bit.adamw_4bit(1e-2, implementation=i)),
+                       ("factor", lambda i: optax4bit.adamw_4bit_factor(1e-2, implementation=i)),
+                       ("sgdm_4bit", lambda i: optax4bit.sgdm_4bit(1e-2, implementation=i))]:
+      results = []
+      for impl, sharded in (("jnp", False), (IMPLEMENTATION, True)):
+        tx = make(impl)
+        p = params
+        if sharded:
+          p = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        state = tx.init(p)
+        grads = jax.tree.map(lambda x: jnp.sin(7.0 * x), p)
+        updates, state = jax.jit(tx.update)(grads, state, p)
+        results.append((updates, state))
+      (u0, s0), (u1, s1) = results
+      codes = [bool(np.array_equal(a, b)) for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1))
+               if a.dtype == np.uint8]
+      err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in zip(jax.tree.leaves(u0), jax.tree.leaves(u1)))
+      out[name] = {"codes_equal": all(codes), "codes": len(codes), "update_err": err}
+    print(json.dumps(out))
+""")
+
+
+def sharded_against_unsharded_jnp(implementation: str) -> dict:
+  """Per optimizer: whether its codes equal the unsharded jnp engine's
+  (``codes_equal``, over ``codes`` packed arrays) and the largest update
+  difference (``update_err``), for ``implementation`` on a sharded tree."""
+  script = _SHARDED_AGAINST_JNP.replace("IMPLEMENTATION", repr(implementation))
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,11 +5,6 @@ float32 and bfloat16, sharded and not; the leaves it covers run its kernels
 (and no loop), the others the jnp engine. `tests/test_tpu_compile.py`
 compiles it for a TPU."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import chex
 import jax
@@ -18,6 +13,7 @@ import numpy as np
 import pytest
 
 import optax4bit
+from conftest import sharded_against_unsharded_jnp
 from optax4bit import dispatch
 from optax4bit._steps import FusedStep
 from optax4bit.quant import array as qarray
@@ -177,49 +173,13 @@ def test_auto_runs_the_tpu_engine_on_tpus():
   assert dispatch.resolve("tpu").whole_leaves
 
 
-_SHARDED = textwrap.dedent("""
-    import json, os
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + \\
-        " --xla_force_host_platform_device_count=4"
-    import jax, jax.numpy as jnp, numpy as np, optax4bit
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    specs = {"w": P("data", "model"), "stack": P(None, "data", "model")}
-    shapes = {"w": (128, 1024), "stack": (2, 64, 512)}
-    params = {k: jax.random.normal(jax.random.key(i), s) * 0.1
-              for i, (k, s) in enumerate(sorted(shapes.items()))}
-    out = {}
-    for name, make in [("adamw_4bit", lambda i: optax4bit.adamw_4bit(1e-2, implementation=i)),
-                       ("factor", lambda i: optax4bit.adamw_4bit_factor(1e-2, implementation=i))]:
-      results = []
-      for impl, sharded in (("jnp", False), ("tpu_interpret", True)):
-        tx = make(impl)
-        p = params
-        if sharded:
-          p = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-        state = tx.init(p)
-        grads = jax.tree.map(lambda x: jnp.sin(7.0 * x), p)
-        updates, state = jax.jit(tx.update)(grads, state, p)
-        results.append((updates, state))
-      (u0, s0), (u1, s1) = results
-      codes = [bool(np.array_equal(a, b)) for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1))
-               if a.dtype == np.uint8]
-      err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                for a, b in zip(jax.tree.leaves(u0), jax.tree.leaves(u1)))
-      out[name] = {"codes_equal": all(codes), "codes": len(codes), "update_err": err}
-    print(json.dumps(out))
-""")
 
 
 @pytest.mark.slow
 def test_sharded_codes_equal_the_unsharded_jnp_engine():
   """Per shard, each element hashed at its index in the global leaf and the
   rank-1 maxima reduced over the shards: the unsharded jnp engine's codes."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
-                        env=env, timeout=900, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = sharded_against_unsharded_jnp("tpu_interpret")
   for name, result in out.items():
     assert result["codes"] >= 2, (name, result)
     assert result["codes_equal"], (name, result)

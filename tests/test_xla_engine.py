@@ -4,11 +4,6 @@ for every hand-written optimizer, float32 and bfloat16, ragged, 1-D, 3-D and
 small leaves, sharded and not (8-bit moments run the jnp engine); and its
 compiled 4-bit step has no loop and no gather."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import chex
 import jax
@@ -17,6 +12,7 @@ import numpy as np
 import pytest
 
 import optax4bit
+from conftest import sharded_against_unsharded_jnp
 from optax4bit import dispatch
 from optax4bit._steps import FusedStep
 from optax4bit.quant import array as qarray
@@ -125,48 +121,11 @@ def test_auto_runs_the_xla_engine_on_gpus_without_pallas_and_not_on_tpus(monkeyp
   assert not dispatch.resolve("auto", "cpu").whole_leaves
 
 
-_SHARDED = textwrap.dedent("""
-    import json, os
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + \\
-        " --xla_force_host_platform_device_count=4"
-    import jax, jax.numpy as jnp, numpy as np, optax4bit
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    specs = {"w": P("data", "model"), "v": P("model"), "c": P(None, "data", "model")}
-    shapes = {"w": (512, 1024), "v": (8192,), "c": (2, 256, 512)}
-    params = {k: jax.random.normal(jax.random.key(i), s) * 0.1
-              for i, (k, s) in enumerate(sorted(shapes.items()))}
-    out = {}
-    for name, make in [("adamw_4bit", lambda i: optax4bit.adamw_4bit(1e-2, implementation=i)),
-                       ("factor", lambda i: optax4bit.adamw_4bit_factor(1e-2, implementation=i)),
-                       ("sgdm_4bit", lambda i: optax4bit.sgdm_4bit(1e-2, implementation=i))]:
-      results = []
-      for impl, sharded in (("jnp", False), ("xla", True)):
-        tx = make(impl)
-        p = params
-        if sharded:
-          p = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-        state = tx.init(p)
-        grads = jax.tree.map(lambda x: jnp.sin(7.0 * x), p)
-        updates, state = jax.jit(tx.update)(grads, state, p)
-        results.append((updates, state))
-      (u0, s0), (u1, s1) = results
-      codes = [bool(np.array_equal(a, b)) for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1))
-               if a.dtype == np.uint8]
-      err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                for a, b in zip(jax.tree.leaves(u0), jax.tree.leaves(u1)))
-      out[name] = {"codes_equal": all(codes), "codes": len(codes), "update_err": err}
-    print(json.dumps(out))
-""")
 
 
 @pytest.mark.slow  # CI's time (16 s): the XLA engine runs only on GPUs without the Pallas kernels
 def test_sharded_codes_equal_the_unsharded_jnp_engine():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
-                        env=env, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = sharded_against_unsharded_jnp("xla")
   for name, result in out.items():
     assert result["codes"] >= 3, (name, result)
     assert result["codes_equal"], (name, result)
