@@ -119,6 +119,8 @@ def test_memory_and_speed_runs(monkeypatch):
   assert "LLaMA-7B shapes" in text and "ms/step" in text
 
 
+# -m slow: CI's time (38 s); optax4bit.diagnostics is tested by tests/test_diagnostics.py.
+@pytest.mark.slow
 def test_diagnostics_notebook_runs(monkeypatch):
   text = _text(_execute("diagnostics.ipynb", monkeypatch))
   assert "% of non-zero v decoded to 0" in text and "max / sum" in text

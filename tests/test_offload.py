@@ -4,7 +4,7 @@ Checked on one device: memory kinds after init and after donated jitted
 steps, bitwise equality with the same optimizer without offload, orbax
 checkpoints, ``flax.nnx.Optimizer`` and the error for a bad memory kind. The
 sharded case runs on 8 virtual devices in a separate process
-(tests/offload_checks.py).
+(tests/offload_checks.py), with -m slow.
 """
 
 from __future__ import annotations
@@ -209,6 +209,9 @@ def test_any_donation_pattern_runs(donate):
   assert proc.returncode == 0 and "DONE" in proc.stdout, (proc.returncode, proc.stderr[-3000:])
 
 
+# -m slow: CI's time (28 s, a subprocess of 8 devices); sharded steps are tested
+# unoffloaded by tests/test_sharding.py.
+@pytest.mark.slow
 def test_sharded_on_8_devices():
   results = run_json(os.path.join(TESTS, "offload_checks.py"))
   failed = {k: v for k, v in results.items() if v is not True}

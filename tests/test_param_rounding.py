@@ -436,6 +436,8 @@ def test_nnx_optimizer_bfloat16_model():
   assert _rounding_count(nnx.as_pure(optimizer.opt_state)) == _rounding_count(state) == 3
 
 
+# -m slow: CI's time (25 s, a subprocess of 8 devices).
+@pytest.mark.slow
 def test_sharded_matches_one_device_bitwise():
   """bfloat16 params trained by adamw_4bit (stochastic rounding by default)
   on 8 devices, with explicit and with auto mesh axes, equal the
