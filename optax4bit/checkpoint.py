@@ -11,6 +11,10 @@ survives trees that keep only keys and leaves, such as ``nnx.state(optimizer)``
 (which splits each `QuantizedArray` into plain ``codes`` and ``scales``
 leaves): a `QuantizedArray` files its scales under a key naming its quantizer
 (`optax4bit.quant.array.quantizer_key`), which `describe` reads back.
+Where stochastic rounding applies (``stall_only``, the stall rule) is not
+compared: it decides how later steps round, not how the codes decode, so a
+state written by the default recipe before issue 50 made the stall rule its
+first moment's restores into today's default, and the other way round.
 
 Saves go through ``orbax.checkpoint.CheckpointManager``, which writes a step
 into a temporary directory and renames it when complete (atomic finalize): a
@@ -104,8 +108,17 @@ def describe(tree) -> dict:
 
 def _quantizer_name(s: dict) -> str:
   norm = {"tensor": "Tensor", "rank1": "Rank-1"}.get(s["normalization"], f"B{s['block_size']}")
-  extras = f"{s['bits']}-bit{' stochastic' if s['stochastic'] else ''}"
-  return f"{norm}/{s['mapping']} ({extras})"
+  rounding = (" stochastic where stalled" if s.get("stall_only") else
+              " stochastic" if s["stochastic"] else "")
+  return f"{norm}/{s['mapping']} ({s['bits']}-bit{rounding})"
+
+
+def _stored_form(entry: dict) -> dict:
+  """A leaf's description without the stall rule (``stall_only``), which
+  does not change how its codes decode; descriptions written before the
+  rule existed lack the field."""
+  return {k: ({f: x for f, x in v.items() if f != "stall_only"}
+              if k in ("spec", "quantizer") else v) for k, v in entry.items()}
 
 
 def _spec_name(d: dict) -> str:
@@ -141,7 +154,7 @@ def check_compatible(saved: dict, target) -> None:
         f"only in the checkpoint: {only_saved[:6]}{' ...' if len(only_saved) > 6 else ''}; "
         f"only in the target: {only_target[:6]}{' ...' if len(only_target) > 6 else ''}")
   for path in sorted(set(have) & set(need)):
-    if have[path] != need[path]:
+    if _stored_form(have[path]) != _stored_form(need[path]):
       problems.append(f"{path}: checkpoint has {_spec_name(have[path])}, target expects "
                       f"{_spec_name(need[path])}")
   if problems:

@@ -228,3 +228,22 @@ def test_format_1_checkpoints_get_a_clear_error():
   saved["format"] = "optax4bit-state/1"
   with pytest.raises(checkpoint.CheckpointMismatchError, match="optax4bit 0.1"):
     checkpoint.check_compatible(saved, _state(optax4bit.adamw_4bit(1e-3)))
+
+
+def test_the_stall_rule_does_not_block_a_restore():
+  """Issue 50 made the stall rule the default's first-moment rounding: a state
+  written with m rounded stochastically everywhere (the default before), or
+  described before ``stall_only`` existed, restores into today's default; the
+  rule changes how later steps round, not how the codes decode."""
+  everywhere = optax4bit.QuantSpec.parse("B128/NF", stochastic=True)
+  saved = checkpoint.describe(_state(optax4bit.adamw_4bit(1e-3, first_moment=everywhere)))
+  target = _state(optax4bit.adamw_4bit(1e-3))
+  assert saved != checkpoint.describe(target)
+  checkpoint.check_compatible(saved, target)
+  for entry in saved["leaves"].values():
+    for field in ("spec", "quantizer"):
+      entry.get(field, {}).pop("stall_only", None)
+  checkpoint.check_compatible(saved, target)
+  # Nearest rounding, a quantizer of its own (its scales' key), still refuses.
+  with pytest.raises(checkpoint.CheckpointMismatchError, match="B128/NF"):
+    checkpoint.check_compatible(saved, _state(optax4bit.adamw_4bit(1e-3, first_moment="B128/NF")))
