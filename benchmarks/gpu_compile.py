@@ -168,9 +168,10 @@ def _update(factory):
 
 
 _PALLAS = dict(min_quantize_size=0, implementation="pallas")
-# The default recipe with the stall rule (issue 50): stochastic rounding only
-# where rounding to nearest would keep the stored code.
-_STALL_M = optax4bit.recipes.RECIPES["default"].first_moment.replace(stall_only=True)
+# The default's first moment rounds by the stall rule (issue 50); these cases
+# keep the other roundings' kernels compiled: m stochastic everywhere (the
+# default until then), and the rule on v too.
+_STOCHASTIC_M = optax4bit.recipes.RECIPES["default"].first_moment.replace(stall_only=False)
 _STALL_V = optax4bit.recipes.RECIPES["default"].second_moment.replace(stall_only=True)
 
 # name: make(dtype, shape) -> (function, abstract arguments)
@@ -185,11 +186,10 @@ CASES: dict = {
     "dequantize Rank-1/SqrtLinear": _dequantize("Rank-1/SqrtLinear"),
     "adamw_4bit default": _update(lambda: optax4bit.adamw_4bit(1e-3, **_PALLAS)),
     "adamw_4bit paper": _update(lambda: optax4bit.adamw_4bit(1e-3, recipe="paper", **_PALLAS)),
-    "adamw_4bit default stall m": _update(
-        lambda: optax4bit.adamw_4bit(1e-3, first_moment=_STALL_M, **_PALLAS)),
-    "adamw_4bit default stall m+v": _update(
-        lambda: optax4bit.adamw_4bit(1e-3, first_moment=_STALL_M, second_moment=_STALL_V,
-                                     **_PALLAS)),
+    "adamw_4bit default m stochastic": _update(
+        lambda: optax4bit.adamw_4bit(1e-3, first_moment=_STOCHASTIC_M, **_PALLAS)),
+    "adamw_4bit default stall v": _update(
+        lambda: optax4bit.adamw_4bit(1e-3, second_moment=_STALL_V, **_PALLAS)),
     "adamw_4bit paper nesterov": _update(
         lambda: optax4bit.adamw_4bit(1e-3, recipe="paper", nesterov=True, **_PALLAS)),
     "adamw_4bit paper B128/Linear v": _update(
@@ -552,13 +552,13 @@ def run_matrix(cases: Sequence[str] = tuple(CASES), dtypes: Sequence[str] = DTYP
 # 15 bytes). Where a target is not met yet, the budget is the figure reached
 # (a guard against regressions) and the target is noted.
 INSTRUCTION_BUDGETS = {
-    "adamw_4bit default": 126,         # target 100
-    # The stall rule on m (issue 50): 7 per parameter over the default (its
-    # threshold's load and comparison, the stored code's nibble, the choice).
-    "adamw_4bit default stall m": 133,
+    # The default's stall rule on m (issue 50) costs 7 per parameter over
+    # stochastic rounding everywhere (125.2): the threshold's load and
+    # comparison, the stored code's nibble, the choice.
+    "adamw_4bit default": 133,         # target 100
     "adamw_4bit paper": 77,            # target 80
-    "adamw_4bit_factor default": 66,   # target 80
-    "sgdm_4bit default": 49,           # target 60
+    "adamw_4bit_factor default": 75,   # target 80
+    "sgdm_4bit default": 59,           # target 60
 }
 BUDGET_SHAPE, BUDGET_ARCH, BUDGET_DTYPE = "regular", "sm_90a", "float32"
 

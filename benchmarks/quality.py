@@ -190,6 +190,9 @@ CANDIDATE_VARIANTS = {
     # only where nearest rounding would keep the stored code), on m with the
     # default's v, and on both moments.
     "adamw_4bit_m_stall": (("B128/NF", True, True), None),
+    # The default's first moment until issue 50 chose the stall rule:
+    # stochastic rounding everywhere.
+    "adamw_4bit_m_nf_sr": (("B128/NF", True), None),
     "adamw_4bit_mv_stall": (("B128/NF", True, True), ("Rank-1/SqrtLinear", True, True)),
 }
 # Adam with an Adafactor-factored second moment, both moments float32

@@ -20,7 +20,8 @@ class Recipe(NamedTuple):
 
 RECIPES = {
     "default": Recipe(
-        first_moment=QuantSpec("block", "NF", 4, signed=True, block_size=128, stochastic=True),
+        first_moment=QuantSpec("block", "NF", 4, signed=True, block_size=128, stochastic=True,
+                               stall_only=True),
         second_moment=QuantSpec("rank1", "SqrtLinear", 4, signed=False, stochastic=True)),
     "paper": Recipe(
         first_moment=QuantSpec.parse("B128/DE"),

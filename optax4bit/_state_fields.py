@@ -173,7 +173,7 @@ def check_spec_value(value, where: str):
 def default_spec(kind: str, recipe: str) -> Optional[QuantSpec]:
   """The quantizer of a `KNOWN_STATE_FIELDS` kind: `PAPER_SPECS` for
   ``recipe="paper"``; for ``"default"``, the library
-  recipe's first-moment quantizer (stochastic) for signed fields and its
+  recipe's first-moment quantizer (the stall rule) for signed fields and its
   second-moment quantizer for non-negative ones."""
   if recipe == "paper" or kind == PARAMETER_COPY:
     return PAPER_SPECS[kind]

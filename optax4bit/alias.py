@@ -382,7 +382,8 @@ def sgdm_4bit(
       float32; optax's default is the parameters' dtype). A quantized buffer
       reports it (float32 by default); a complex one keeps the buffer complex
       and unquantized.
-    recipe: ``"default"`` (momentum ``B128/NF`` with stochastic rounding) or
+    recipe: ``"default"`` (momentum ``B128/NF``, rounded stochastically
+      where nearest rounding would keep its stored code) or
       ``"paper"`` (``B128/DE``, nearest rounding).
     first_moment: quantizer of the momentum buffer, overriding the recipe's.
     min_quantize_size: leaves with at most this many elements stay float32.

@@ -200,8 +200,10 @@ def scale_by_adam_4bit(
       recipe's; a map with a zero code (``"B128/DE"``) shows the paper's
       zero-point problem.
     recipe: ``"default"`` (first moment ``B128/NF``, second moment
-      ``Rank-1/SqrtLinear``, both rounded stochastically) or ``"paper"`` (``B128/DE`` and
-      ``Rank-1/Linear``, nearest rounding); see `optax4bit.recipes`.
+      ``Rank-1/SqrtLinear``, the first rounded stochastically where nearest
+      rounding would keep its stored code, the second stochastically) or
+      ``"paper"`` (``B128/DE`` and ``Rank-1/Linear``, nearest rounding); see
+      `optax4bit.recipes`.
     first_moment: quantizer of the first moment, overriding the recipe's: a
       name such as ``"B128/DE"`` (signed) or a `QuantSpec`.
     min_quantize_size: leaves with at most this many elements keep float32
@@ -344,8 +346,10 @@ def scale_by_factored_adam_4bit(
     second_moment: quantizer of the second moment of 1-D leaves, overriding
       the recipe's.
     recipe: ``"default"`` (first moment ``B128/NF``, second moment
-      ``Rank-1/SqrtLinear``, both rounded stochastically) or ``"paper"`` (``B128/DE`` and
-      ``Rank-1/Linear``, nearest rounding); see `optax4bit.recipes`.
+      ``Rank-1/SqrtLinear``, the first rounded stochastically where nearest
+      rounding would keep its stored code, the second stochastically) or
+      ``"paper"`` (``B128/DE`` and ``Rank-1/Linear``, nearest rounding); see
+      `optax4bit.recipes`.
     first_moment: quantizer of the first moment, overriding the recipe's: a
       name such as ``"B128/DE"`` (signed) or a `QuantSpec`.
     min_quantize_size: leaves with at most this many elements keep float32
@@ -467,9 +471,9 @@ def scale_by_momentum_4bit(
       trace reports ``accumulator_dtype``, float32 by default; a complex one
       keeps the trace complex and unquantized; a complex parameter's trace
       stays complex.
-    recipe: ``"default"`` (the trace in ``B128/NF`` with stochastic
-      rounding) or ``"paper"`` (``B128/DE``, nearest rounding); see
-      `optax4bit.recipes`.
+    recipe: ``"default"`` (the trace in ``B128/NF``, rounded stochastically
+      where nearest rounding would keep its stored code) or ``"paper"``
+      (``B128/DE``, nearest rounding); see `optax4bit.recipes`.
     first_moment: quantizer of the trace, overriding the recipe's: a name
       such as ``"B128/DE"`` (signed) or a `QuantSpec`.
     min_quantize_size: leaves with at most this many elements keep float32

@@ -89,7 +89,8 @@ def quantize_state(
   (`KNOWN_STATE_FIELDS`), with the quantizers of ``recipe``. With the
   default recipe (that of `adamw_4bit`), signed fields
   (``ScaleByAdamState.mu``, ``TraceState.trace``, ``EmaState.ema``, ...) get
-  ``B128/NF`` with stochastic rounding, non-negative, second-moment-like
+  ``B128/NF``, rounded stochastically where nearest rounding would keep the
+  stored code (the stall rule), non-negative, second-moment-like
   fields (``ScaleByAdamState.nu``, ``ScaleByAmsgradState.nu_max``,
   ``ScaleByRmsState.nu``, ``FactoredState.v``, ...) ``Rank-1/SqrtLinear``, also
   stochastic;
@@ -179,7 +180,7 @@ def quantize_state(
     >>> state = tx.init({"w": jnp.zeros((1024, 1024)), "b": jnp.zeros(1024)})
     >>> adam_state = state.inner_state[0]
     >>> adam_state.mu["w"]
-    QuantizedArray(B128/NF (4-bit, signed, stochastic), shape=(1024, 1024), dtype=float32)
+    QuantizedArray(B128/NF (4-bit, signed, stochastic where stalled), shape=(1024, 1024), dtype=float32)
     >>> adam_state.nu["w"]
     QuantizedArray(Rank-1/SqrtLinear (4-bit, unsigned, stochastic), shape=(1024, 1024), dtype=float32)
     >>> adam_state.nu["b"].dtype  # 1024 elements <= min_quantize_size: float32

@@ -57,9 +57,11 @@ SHAPES = {"a": (5, 301), "g": (3, 4, 20), "v": (257,)}
 
 B1, B2, MOMENTUM = 0.9, 0.999, 0.9
 
-# The default recipe's quantizers with the stall rule (issue 50): stochastic
-# rounding only where rounding to nearest would keep the stored code.
-M_STALL = optax4bit.recipes.RECIPES["default"].first_moment.replace(stall_only=True)
+# The default's first moment rounds by the stall rule (issue 50: stochastic
+# rounding only where rounding to nearest would keep the stored code); these
+# round it stochastically everywhere (the default until then), and v by the
+# rule too.
+M_STOCHASTIC = optax4bit.recipes.RECIPES["default"].first_moment.replace(stall_only=False)
 V_STALL = optax4bit.recipes.RECIPES["default"].second_moment.replace(stall_only=True)
 
 
@@ -82,7 +84,7 @@ def _adam_moments(g, old):
 
 
 # The scale_by_* builders and aliases default to the "default" recipe (first
-# moment B128/NF with stochastic rounding, second moment Rank-1/SqrtLinear);
+# moment B128/NF by the stall rule, second moment Rank-1/SqrtLinear stochastic);
 # "*_paper" variants run the paper's (B128/DE, Rank-1/Linear, nearest).
 VARIANTS = {
     "adam": (functools.partial(optax4bit.scale_by_adam_4bit, B1, B2), _adam_moments),
@@ -112,14 +114,13 @@ VARIANTS = {
     "sgdm_4bit": (functools.partial(optax4bit.sgdm_4bit, 1e-2, MOMENTUM),
                   lambda g, old: (g + MOMENTUM * old[0],)),
 }
-# The alias chains with the stall rule on m ("_stall_m"), v ("_stall_v") or
-# every moment ("_stall").
-for _name, _kwargs in {"adamw_4bit_stall_m": dict(first_moment=M_STALL),
-                       "adamw_4bit_stall_v": dict(second_moment=V_STALL),
-                       "adamw_4bit_stall": dict(first_moment=M_STALL, second_moment=V_STALL),
-                       "adamw_4bit_factor_stall": dict(first_moment=M_STALL),
-                       "sgdm_4bit_stall": dict(first_moment=M_STALL)}.items():
-  _make, _new_moments = VARIANTS[_name.rsplit("_stall", 1)[0]]
+# The alias chains with m rounded stochastically everywhere ("_m_stochastic")
+# or with the stall rule on v too ("_stall_v").
+for _name, _kwargs in {"adamw_4bit_m_stochastic": dict(first_moment=M_STOCHASTIC),
+                       "adamw_4bit_factor_m_stochastic": dict(first_moment=M_STOCHASTIC),
+                       "sgdm_4bit_m_stochastic": dict(first_moment=M_STOCHASTIC),
+                       "adamw_4bit_stall_v": dict(second_moment=V_STALL)}.items():
+  _make, _new_moments = VARIANTS[_name.rsplit("_m_stochastic", 1)[0].rsplit("_stall_v", 1)[0]]
   VARIANTS[_name] = (functools.partial(_make, **_kwargs), _new_moments)
 
 
@@ -298,32 +299,41 @@ def test_half_precision_grads(dtype):
 
 @pytest.mark.parametrize("variant,dtype", [
     ("adamw_4bit", jnp.float32), ("adamw_4bit", jnp.bfloat16),
+    ("adamw_4bit_m_stochastic", jnp.float32),
     ("adamw_4bit_factor", jnp.float32),
     pytest.param("adamw_4bit_factor", jnp.bfloat16, marks=pytest.mark.slow),
     pytest.param("sgdm_4bit", jnp.float32, marks=pytest.mark.slow),
     ("sgdm_4bit", jnp.bfloat16)])
 def test_default_recipe_matches_jnp(variant, dtype):
-  """The default recipe (stochastic B128/NF first moment, Rank-1/SqrtLinear
-  second moment) runs the kernels, and they draw the reference's numbers:
-  codes, scales and updates as in the other equality tests, on a ragged 2-D
-  and a 1-D leaf (whose second moment falls back to B128/SqrtLinear)."""
+  """The default recipe (B128/NF first moment by the stall rule, or
+  stochastic everywhere, Rank-1/SqrtLinear second moment) runs the kernels,
+  and they draw the reference's numbers: codes, scales and updates as in
+  the other equality tests, on a ragged 2-D and a 1-D leaf (whose second
+  moment falls back to B128/SqrtLinear)."""
   shapes = {"a": SHAPES["a"], "v": SHAPES["v"]}
   make, _ = VARIANTS[variant]
   tx = make(min_quantize_size=0, implementation=INTERPRET_ROWS)
   params = _params(shapes, dtype)
   # One call per leaf, plus the second pass of the rank-1 second moment of
   # adamw_4bit's 2-D leaf (Factor's is factored).
-  assert _count_pallas_calls(tx, params) == (3 if variant == "adamw_4bit" else 2)
+  assert _count_pallas_calls(tx, params) == (3 if variant.startswith("adamw_4bit_m") or
+                                              variant == "adamw_4bit" else 2)
   _teacher_forced(variant, shapes, dtype=dtype, steps=3, config=INTERPRET_ROWS)
 
 
+# Each stall-rule variant, and the same without the rule on m.
+STALL_FREE = {"adamw_4bit": "adamw_4bit_m_stochastic",
+              "adamw_4bit_stall_v": "adamw_4bit_m_stochastic",
+              "adamw_4bit_factor": "adamw_4bit_factor_m_stochastic",
+              "sgdm_4bit": "sgdm_4bit_m_stochastic"}
+
+
 @pytest.mark.parametrize("variant,shapes", [
-    ("adamw_4bit_stall", {"a": SHAPES["a"]}),
-    pytest.param("adamw_4bit_stall", SHAPES, marks=pytest.mark.slow),
-    pytest.param("adamw_4bit_stall_m", SHAPES, marks=pytest.mark.slow),
+    ("adamw_4bit_stall_v", {"a": SHAPES["a"]}),
     pytest.param("adamw_4bit_stall_v", SHAPES, marks=pytest.mark.slow),
-    pytest.param("adamw_4bit_factor_stall", SHAPES, marks=pytest.mark.slow),
-    pytest.param("sgdm_4bit_stall", SHAPES, marks=pytest.mark.slow)])
+    pytest.param("adamw_4bit", SHAPES, marks=pytest.mark.slow),
+    pytest.param("adamw_4bit_factor", SHAPES, marks=pytest.mark.slow),
+    pytest.param("sgdm_4bit", SHAPES, marks=pytest.mark.slow)])
 def test_stall_rule_matches_jnp(variant, shapes):
   """``stall_only`` moments (block-wise and rank-1 encodes; on a ragged 2-D
   leaf by default, with blocks of several short rows and a 1-D leaf with -m
@@ -331,7 +341,7 @@ def test_stall_rule_matches_jnp(variant, shapes):
   jnp engine's bit for bit (their scales, which no rounding decides, as in
   the other tests), with the rule's both branches taken."""
   make, _ = VARIANTS[variant]
-  base, _ = VARIANTS[variant.rsplit("_stall", 1)[0]]
+  base, _ = VARIANTS[STALL_FREE[variant]]
   params = _params(shapes)
   count = lambda make: _count_pallas_calls(make(min_quantize_size=0,
                                                 implementation=INTERPRET_ROWS), params)
@@ -352,10 +362,10 @@ def test_stall_rule_takes_small_tiles_on_ragged_leaves_only():
     return pallas_steps._step_tile_bytes(shape, moments)  # pylint: disable=protected-access
 
   default = optax4bit.recipes.RECIPES["default"]
-  assert tile((300, 301), M_STALL, default.second_moment) == 512
-  assert tile((300, 301), default.first_moment, V_STALL) == 512
-  assert tile((1024, 2048), M_STALL, V_STALL) == 2048
-  assert tile((300, 301), default.first_moment, default.second_moment) == 2048
+  assert tile((300, 301), default.first_moment, default.second_moment) == 512
+  assert tile((300, 301), M_STOCHASTIC, V_STALL) == 512
+  assert tile((1024, 2048), default.first_moment, V_STALL) == 2048
+  assert tile((300, 301), M_STOCHASTIC, default.second_moment) == 2048
 
 
 @pytest.mark.slow

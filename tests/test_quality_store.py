@@ -99,8 +99,8 @@ def test_the_nnx_lm_has_flax_3d_attention_kernels(quality):
 def test_the_stall_candidates_and_the_keys_of_stall_free_specs(quality):
   # A spec without the stall rule keys as before QuantSpec had stall_only, so
   # stored runs stay valid across that library change.
-  default = quality.variant_quantizers("adamw_4bit")
-  assert "stall_only" not in default["first_moment"] + default["second_moment"]
+  old_default = quality.variant_quantizers("adamw_4bit_m_nf_sr")
+  assert "stall_only" not in old_default["first_moment"] + old_default["second_moment"]
   if quality.variant_unavailable("adamw_4bit_mv_stall"):
     pytest.skip("this optax4bit has no stall_only rounding")
   m_only = quality.candidate_specs("adamw_4bit_m_stall")
@@ -109,6 +109,9 @@ def test_the_stall_candidates_and_the_keys_of_stall_free_specs(quality):
   assert all(s.stochastic and s.stall_only for s in both.values())
   assert both["second_moment"].name == "Rank-1/SqrtLinear"
   assert "stall_only=True" in quality.variant_quantizers("adamw_4bit_m_stall")["first_moment"]
+  # Issue 50 made the rule on m the default: the candidate is the default.
+  assert quality.variant_quantizers("adamw_4bit_m_stall") == quality.variant_quantizers(
+      "adamw_4bit")
 
 
 def test_factoring_over_the_two_largest_axes_transposes_3d_leaves_only(quality):

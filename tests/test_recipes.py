@@ -214,7 +214,8 @@ def test_hashed_stochastic_rounding_is_unbiased(name):
 
 def test_recipes_resolve():
   default, paper = recipes.RECIPES["default"], recipes.RECIPES["paper"]
-  assert default.first_moment == QuantSpec("block", "NF", 4, True, 128, stochastic=True)
+  assert default.first_moment == QuantSpec("block", "NF", 4, True, 128, stochastic=True,
+                                           stall_only=True)
   assert default.second_moment == QuantSpec.parse("Rank-1/SqrtLinear", stochastic=True)
   assert paper == (QuantSpec.parse("B128/DE"), QuantSpec.parse("Rank-1/Linear"))
   mixed = recipes.resolve("paper", second_moment=default.second_moment)

@@ -26,9 +26,12 @@ OPTIMIZERS = {
                                                           implementation=impl),
     "adamw_4bit nesterov": lambda impl: optax4bit.adamw_4bit(1e-2, nesterov=True,
                                                              implementation=impl),
-    "adamw_4bit stall": lambda impl: optax4bit.adamw_4bit(
-        1e-2, first_moment=QuantSpec.parse("B128/NF", stochastic=True, stall_only=True),
-        second_moment=QuantSpec.parse("Rank-1/SqrtLinear", stochastic=True, stall_only=True),
+    # The default's m rounds by the stall rule: m stochastic everywhere, and
+    # the rule on v too.
+    "adamw_4bit m stochastic": lambda impl: optax4bit.adamw_4bit(
+        1e-2, first_moment=QuantSpec.parse("B128/NF", stochastic=True), implementation=impl),
+    "adamw_4bit stall v": lambda impl: optax4bit.adamw_4bit(
+        1e-2, second_moment=QuantSpec.parse("Rank-1/SqrtLinear", stochastic=True, stall_only=True),
         implementation=impl),
     "adamw_4bit_factor": lambda impl: optax4bit.adamw_4bit_factor(1e-2, implementation=impl),
     "adamw_8bit": lambda impl: optax4bit.adamw_8bit(1e-2, implementation=impl),
