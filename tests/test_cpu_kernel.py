@@ -187,7 +187,7 @@ SHAPES = {"a": (300, 256), "b": (64, 384), "c": (1, 128), "d": (33, 130), "e": (
 
 
 @needs_kernel
-@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("nesterov", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_kernel_matches_jnp(nesterov):
   params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
             for i, (k, s) in enumerate(SHAPES.items())}
@@ -319,18 +319,22 @@ STOCHASTIC_DE = optax4bit.QuantSpec("block", "DE", 4, signed=True, block_size=12
 STOCHASTIC_SQRT_DE0, STOCHASTIC_LINEAR, STOCHASTIC_SQRT_LINEAR = (
     optax4bit.QuantSpec("rank1", mapping, 4, signed=False, stochastic=True)
     for mapping in ("SqrtDE-0", "Linear", "SqrtLinear"))
-# (recipe, first moment override, second moment override, nesterov)
+# (recipe, first moment override, second moment override, nesterov). Each
+# runs every ISA path (about 9 s); the default run keeps each recipe, Nesterov,
+# both moments stochastic and nearest-rounded m with stochastic v, and the
+# other pairings run with -m slow (CI's time).
+_slow = lambda *case: pytest.param(*case, marks=pytest.mark.slow)
 BITWISE_CASES = [
     ("default", None, None, False),
-    ("default", None, None, True),
-    ("paper", None, None, False),
+    _slow("default", None, None, True),
+    _slow("paper", None, None, False),
     ("paper", None, None, True),
-    ("default", STOCHASTIC_DE, "Rank-1/Linear", False),  # the other pairings
-    ("paper", "B128/NF", "Rank-1/SqrtDE-0", False),
-    ("paper", "B128/NF", "Rank-1/SqrtLinear", False),
+    _slow("default", STOCHASTIC_DE, "Rank-1/Linear", False),  # the other pairings
+    _slow("paper", "B128/NF", "Rank-1/SqrtDE-0", False),
+    _slow("paper", "B128/NF", "Rank-1/SqrtLinear", False),
     # Second moments rounded stochastically: the table's slow and fast paths
     # (DE-0's crowded entries defeat the cells), Linear by its table.
-    ("paper", None, STOCHASTIC_SQRT_DE0, False),
+    _slow("paper", None, STOCHASTIC_SQRT_DE0, False),
     ("paper", STOCHASTIC_DE, STOCHASTIC_LINEAR, True),
     ("default", "B128/DE", STOCHASTIC_SQRT_LINEAR, False),
 ]
@@ -560,7 +564,7 @@ SHAPES_8BIT = {"a": (300, 256), "b": (64, 512), "c": (1, 256), "d": (33, 384), "
 
 
 @needs_kernel
-@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("nesterov", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_kernel_8bit_bitwise_matches_jnp(nesterov):
   """adamw_8bit: several steps with non-finite, zero, tiny and huge (g**2
   overflows, then normal steps: restart_overflowed) gradients, on every ISA
