@@ -201,8 +201,8 @@ print("DONE")
 """
 
 
-@pytest.mark.parametrize("donate", ["1", "1,2", *(pytest.param(d, marks=pytest.mark.slow)
-                                                 for d in ("0,1", "0,1,2", ""))])
+@pytest.mark.parametrize("donate", ["1,2", *(pytest.param(d, marks=pytest.mark.slow)
+                                            for d in ("1", "0,1", "0,1,2", ""))])
 def test_any_donation_pattern_runs(donate):
   proc = subprocess.run([sys.executable, "-c", DONATION_CHILD, donate], capture_output=True,
                         text=True, timeout=300, env=child_env(), cwd=ROOT, check=False)

@@ -303,7 +303,11 @@ def test_explicit_moment_dtype_of_unquantized_chunked_leaves(make_4bit, make_opt
 _DTYPES = ("bfloat16", "float32", "complex64", None)
 
 
-@pytest.mark.parametrize("opt_name", ["sgdm_4bit", "adam_4bit", "adamw_4bit"])
+# adam_4bit (adamw_4bit's chain without weight decay) and sgdm_4bit with -m
+# slow: CI's time (21 s).
+@pytest.mark.parametrize("opt_name", [pytest.param("sgdm_4bit", marks=pytest.mark.slow),
+                                      pytest.param("adam_4bit", marks=pytest.mark.slow),
+                                      "adamw_4bit"])
 def test_state_dtype_matches_optax_where_it_can(opt_name):
   """optax's ``AliasTest.test_explicit_dtype`` expectations on quantized
   moments (``min_quantize_size=0``): the dtype asked for is the one a moment

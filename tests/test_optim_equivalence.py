@@ -312,11 +312,14 @@ def test_quantized_step_matches_whole_tensor_reference(case, chunk=CHUNK):
 
 
 # The chunked engine is the jnp path's (on a GPU, "auto" runs the kernels).
+# SGDM and Factor (the same first-moment chunks) with -m slow: CI's time (29 s).
 @pytest.mark.parametrize("make", [
     lambda c: optax4bit.adamw_4bit(1e-2, min_quantize_size=0, chunk_size=c, implementation="jnp"),
-    lambda c: optax4bit.sgdm_4bit(1e-2, min_quantize_size=0, chunk_size=c, implementation="jnp"),
-    lambda c: optax4bit.adamw_4bit_factor(1e-2, min_quantize_size=0, chunk_size=c,
-                                          implementation="jnp"),
+    pytest.param(lambda c: optax4bit.sgdm_4bit(1e-2, min_quantize_size=0, chunk_size=c,
+                                               implementation="jnp"), marks=pytest.mark.slow),
+    pytest.param(lambda c: optax4bit.adamw_4bit_factor(1e-2, min_quantize_size=0, chunk_size=c,
+                                                       implementation="jnp"),
+                 marks=pytest.mark.slow),
 ], ids=["adamw_4bit", "sgdm_4bit", "adamw_4bit_factor"])
 def test_default_recipe_chunked_matches_whole_leaf(make):
   """chunk_size 1000 against the default chunking, from the same state each

@@ -56,7 +56,7 @@ def _state_values(state):
   return out
 
 
-@settings(max_examples=20, deadline=None, derandomize=True,
+@settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(OPTIMIZERS)), shape=st.sampled_from(SHAPES),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), exponents=st.lists(
@@ -93,7 +93,7 @@ OVERFLOW_EXPONENTS = st.sampled_from([-30, -12, 0, 12, 18, 19, 20, 25, 30])
 OVERFLOW_OPTIMIZERS = ("adamw_4bit", "adamw_4bit paper", "adamw_8bit")
 
 
-@settings(max_examples=15, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(OVERFLOW_OPTIMIZERS), shape=st.sampled_from(SHAPES[3:]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), exponents=st.lists(

@@ -361,6 +361,7 @@ def test_spec_for_errors():
   optax4bit.quantize_state(optax.adam(1e-3), implementation="jnp").init(params)
 
 
+@pytest.mark.slow  # CI's time (15 s)
 def test_non_separable_inner_runs_on_the_whole_tree_with_a_warning():
   params = {"a": jnp.ones((64, 128)), "b": jnp.ones((256,))}
   inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))

@@ -124,8 +124,9 @@ def test_a_cpu_only_process_traces_one_engine(monkeypatch):
 
 
 @pytest.mark.usefixtures("every_platform")
+# quantize_state(adam) with -m slow: CI's time (15 s); it dispatches as the others.
 @pytest.mark.parametrize("name", ["adamw_4bit", "adamw_4bit_factor", "sgdm_4bit",
-                                  "quantize_state(adam)"])
+                                  pytest.param("quantize_state(adam)", marks=pytest.mark.slow)])
 def test_auto_with_every_platforms_branch_runs_the_cpus_engine(name):
   """Compiled for this CPU, the branches of the other platforms leave the
   result bit for bit the CPU engine's."""
