@@ -187,7 +187,9 @@ SHAPES = {"a": (300, 256), "b": (64, 384), "c": (1, 128), "d": (33, 130), "e": (
 
 
 @needs_kernel
-@pytest.mark.parametrize("nesterov", [False, pytest.param(True, marks=pytest.mark.slow)])
+# -m slow: CI's time (18 s); test_kernel_bitwise_matches_jnp runs these steps bitwise.
+@pytest.mark.slow
+@pytest.mark.parametrize("nesterov", [False, True])
 def test_kernel_matches_jnp(nesterov):
   params = {k: 0.02 * jax.random.normal(jax.random.PRNGKey(i), s)
             for i, (k, s) in enumerate(SHAPES.items())}

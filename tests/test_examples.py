@@ -81,6 +81,7 @@ def _digits(tmp_path, optimizer, model):
   _check_png(result["png"])
 
 
+@pytest.mark.slow  # CI's time (9 s); the other examples' tests run their scripts
 def test_train_digits_sgdm_4bit(tmp_path):
   _digits(tmp_path, "sgdm_4bit", "mlp")
 

@@ -203,7 +203,8 @@ def test_wheel_kernel_loads_without_a_compiler(dists, tmp_path):
   assert FALLBACK_LOG not in stderr
 
 
-@pytest.mark.parametrize("damage", ["absent", "broken"])
+@pytest.mark.parametrize("damage", [pytest.param("absent", marks=pytest.mark.slow),  # CI's time
+                                    "broken"])
 def test_wheel_without_a_loadable_kernel_runs_jnp_and_logs_once(dists, tmp_path, damage):
   site = _unpack(dists[1], tmp_path / "site")
   kernel = site / KERNEL

@@ -260,6 +260,7 @@ def test_adam_teacher_forced_50_steps():
   _teacher_forced("adam", SHAPES)
 
 
+@pytest.mark.slow  # CI's time (18 s); the teacher-forced 50 steps stay
 def test_adamw_free_running_50_steps():
   """Whole ``adamw_4bit`` chains (weight decay, learning rate), 50 steps each."""
   params = _params(SHAPES)

@@ -422,6 +422,7 @@ def test_offloaded_and_checkpointed_bitwise():
   assert_trees_bitwise(resumed, step(params, state, _bfloat16_grads(2)))
 
 
+@pytest.mark.slow  # CI's time (16 s); nnx: test_in_chain_with_nnx_optimizer_offload_and_checkpoint
 def test_nnx_optimizer_bfloat16_model():
   """flax.nnx.Optimizer with adamw_4bit's default rounding on a bfloat16
   model: the same bits as the plain optax loop fed the same gradients."""

@@ -65,6 +65,7 @@ def test_muon_with_the_8bit_momentum_trains_like_muon_in_under_30_percent_of_its
   assert loss_8bit <= 1.5 * loss_fp32, (loss_8bit, loss_fp32)
 
 
+@pytest.mark.slow  # CI's time (7 s)
 def test_muon_4bit_lags_at_small_learning_rates():
   """The 4-bit momentum (B32/NF, stochastic) trails fp32 Muon by
   3.9x at lr 1e-2 (benchmarks/history/log-to-2026-11.md,

@@ -570,6 +570,7 @@ def test_sharded_more_modes():
   check_sharded("lion_explicit", "adam_auto_wrapped", "sgd_momentum_explicit")
 
 
+@pytest.mark.slow  # CI's time (18 s); nnx.Optimizer: tests/test_optim_integration.py
 def test_flax_nnx_optimizer_matches_functional_loop():
   pytest.importorskip("flax.nnx")
   tx = optax4bit.quantize_state(optax.adam(1e-2), min_quantize_size=0)
