@@ -1598,6 +1598,16 @@ def main(argv=None) -> dict:
 _PER_VARIANT_FIELDS = ("quantizers", "state_bytes_per_param", "paired", "accuracy")
 
 
+def _quantizers_changed(variant: str, recorded: Optional[dict]) -> bool:
+  """Whether ``variant`` resolves today to other quantizers than ``recorded``
+  (a variant this module no longer knows: False)."""
+  try:
+    today = variant_quantizers(variant)
+  except (KeyError, ValueError):
+    return False
+  return recorded is not None and canonical_key(recorded) != canonical_key(today)
+
+
 def merge_unrun_variants(previous: Optional[dict], entry: dict) -> dict:
   """``entry`` plus the variants of ``previous`` that this run did not train,
   when both hold the same reference runs (same training, seeds and reference
@@ -1615,11 +1625,15 @@ def merge_unrun_variants(previous: Optional[dict], entry: dict) -> dict:
   if previous["paired"].get(reference) != entry["paired"].get(reference):
     return entry
   merged = dict(entry)
+  # A variant whose quantizers changed since (a new default recipe) is not kept.
+  stale = {v for v in previous["paired"]
+           if _quantizers_changed(v, previous.get("quantizers", {}).get(v))}
   for field in _PER_VARIANT_FIELDS:
     if field in previous:
       merged[field] = {**{v: x for v, x in previous[field].items()
-                          if v not in entry["paired"]}, **entry.get(field, {})}
-  kept = sorted(set(previous["paired"]) - set(entry["paired"]))
+                          if v not in entry["paired"] and v not in stale},
+                       **entry.get(field, {})}
+  kept = sorted(set(previous["paired"]) - set(entry["paired"]) - stale)
   if kept:
     origin = previous_environments(previous)
     environments = {}

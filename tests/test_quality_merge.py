@@ -81,3 +81,17 @@ def test_the_configured_warmup_is_kept_unless_the_run_is_shortened(quality):
   assert quality.training_for(issue40, 500).warmup_steps == 50
   assert quality.training_for(issue40, 2000).warmup_steps == 100  # longer: as configured
   assert quality.training_for(quality.PROBLEMS["lsq"], 300).warmup_steps is None
+
+
+def test_a_variant_whose_quantizers_changed_is_not_kept(quality):
+  """Issue 50 changed the default recipe's m: a kept Factor entry of the old
+  m would be reported as today's Factor."""
+  previous = _entry({"adamw": (1.0, 2.0), "adamw_4bit_factor": (1.5, 2.5),
+                     "adamw_4bit_paper": (0.9, 1.9)})
+  previous["quantizers"]["adamw_4bit_factor"] = {"first_moment": "an older m",
+                                                 "second_moment": "Factor"}
+  previous["quantizers"]["adamw_4bit_paper"] = quality.variant_quantizers("adamw_4bit_paper")
+  merged = quality.merge_unrun_variants(previous, _entry({"adamw": (1.0, 2.0)}))
+  assert set(merged["paired"]) == {"adamw", "adamw_4bit_paper"}
+  assert "adamw_4bit_factor" not in merged["quantizers"]
+  assert merged["variants_from_previous_run"] == {"environments": {"env": ["adamw_4bit_paper"]}}
