@@ -24,9 +24,9 @@ size; the first moment stalls the same way where the gradient is exact
 (full-batch training). Stochastic rounding keeps each moment's expectation
 exact. The first moment needs it only where it would stall: elsewhere nearest
 rounding moves it as far as it should, without the draw's noise (issue 50;
-benchmarks/history/2026-11-29-issue-50.md). ``Rank-1/Linear`` also decodes every second moment below 1/16 of its
-scale to 1/16 of it, so those elements take steps up to several times too
-small; ``SqrtLinear`` reaches 16 times lower and keeps ``Linear``'s even
+benchmarks/history/2026-11-29-issue-50.md). ``Rank-1/Linear`` also decodes
+every second moment below 1/16 of its scale to 1/16 of it, so those elements
+take steps up to several times too small; ``SqrtLinear`` reaches 16 times lower and keeps ``Linear``'s even
 spacing in ``sqrt(v)``, the quantity Adam divides by, and the normal-float
 map spends its entries where a block's values are.
 
@@ -39,8 +39,9 @@ Python docs' English +0.48 +- 0.10% (+1.27 +- 0.21%), a 2 x 96 prose LM
 -0.17 +- 0.08% (+0.10 +- 0.29%). With the first moment rounded stochastically
 everywhere (the default until issue 50) the same runs gave +0.58, +0.53 and
 -0.06%; the stall rule is the default because it is the one within 0.5% on
-all three, at least squares and the MLP no worse (1.24x, 0.97x before). Where the paper's recipe is ahead on a language model, it is for one
-of two reasons: its stalled second moment makes the steps 1.3x float32
+all three, at least squares and the MLP no worse (1.24x, 0.97x before).
+Where the paper's recipe is ahead on a language model, it is for one of two
+reasons: its stalled second moment makes the steps 1.3x float32
 Adam's, which float32 AdamW with larger steps gains from too (a 4 x 128 byte
 LM: paper -1.29%); or its first moment is rounded to nearest (a 4 x 384 prose
 LM), which full-batch training cannot afford. Earlier defaults:
