@@ -1,10 +1,12 @@
 """Quantization tables and nearest-entry encoding (jnp reference).
 
 Encoding is a binary search over the decision thresholds between neighbouring
-table entries: ``bits`` compares per element. For 4 bits each compare's
-threshold is picked by a small tree of selects (no gather, which XLA's CPU
-backend does not vectorize); 8-bit tables use a gather. ``Linear`` tables have
-closed forms.
+table entries: ``bits`` compares per element, each compare's threshold picked
+by a small tree of selects (no gather, which XLA's CPU backend does not
+vectorize and which is slow on accelerators). The 8-bit tables (``DE``,
+``DE-0``) are evaluated and searched in closed form instead
+(`optax4bit.quant.dynamic_map`, bit for bit the table); ``Linear`` tables
+have closed forms too.
 
 Thresholds are the midpoints between entries, except for ``SqrtDE-0`` and
 ``SqrtLinear``, which round ``sqrt(x)`` to the nearest ``DE-0`` or ``Linear``
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax4bit.quant import dynamic_map
 from optax4bit.quant.spec import (FOUR_BIT_ONLY_MAPPINGS, MAPPINGS, SIGNED_ONLY_MAPPINGS,
                                   SUPPORTED_BITS, UNSIGNED_ONLY_MAPPINGS)
 
@@ -161,28 +164,19 @@ def _select_by_bits(decided: list, values: list):
 
 def count_above(x: jax.Array, bounds: np.ndarray, *, inclusive: bool = False) -> jax.Array:
   """Number of sorted ``bounds`` below ``x`` (``x > b``, or ``x >= b`` if
-  ``inclusive``), by binary search: ``log2(len(bounds) + 1)`` compares."""
+  ``inclusive``), by binary search: ``log2(len(bounds) + 1)`` compares (at
+  most 15 bounds: 4-bit tables)."""
   num_levels = int(np.log2(bounds.size + 1))
-  assert 2**num_levels == bounds.size + 1
+  assert 2**num_levels == bounds.size + 1 and num_levels <= 4, bounds.size
   compare = jnp.greater_equal if inclusive else jnp.greater
-  if num_levels <= 4:
-    decided = []
-    for level in range(num_levels):
-      step = 2 ** (num_levels - 1 - level)
-      candidates = [bounds[prefix * 2 * step + step - 1] for prefix in range(2**level)]
-      decided.append(compare(x, _select_by_bits(decided, candidates)))
-    count = jnp.zeros(x.shape, jnp.int32)
-    for level, bit in enumerate(decided):
-      count = count + bit.astype(jnp.int32) * (2 ** (num_levels - 1 - level))
-    return count
-  padded = jnp.asarray(np.append(bounds, np.float32(np.inf)))
-  # The first level compares against one constant: a gather at an all-zero
-  # index would be constant-folded by XLA into a constant as large as x.
-  top = 2 ** (num_levels - 1)
-  count = jnp.where(compare(x, bounds[top - 1]), np.int32(top), np.int32(0))
-  for level in range(1, num_levels):
+  decided = []
+  for level in range(num_levels):
     step = 2 ** (num_levels - 1 - level)
-    count = jnp.where(compare(x, padded[count + step - 1]), count + step, count)
+    candidates = [bounds[prefix * 2 * step + step - 1] for prefix in range(2**level)]
+    decided.append(compare(x, _select_by_bits(decided, candidates)))
+  count = jnp.zeros(x.shape, jnp.int32)
+  for level, bit in enumerate(decided):
+    count = count + bit.astype(jnp.int32) * (2 ** (num_levels - 1 - level))
   return count
 
 
@@ -192,13 +186,9 @@ def bracket(x: jax.Array, table: np.ndarray):
   x``: `count_above` over ``table[1:]`` (inclusive), which for 16 entries
   also carries the last bound passed and the last one failed along its
   search (the entries either side of ``x`` are both on the path), 8 selects
-  instead of two 15-select trees."""
+  instead of two 15-select trees. 4-bit tables only."""
   num_levels = int(np.log2(table.size))
-  assert 2**num_levels == table.size
-  if num_levels > 4:
-    lower = count_above(x, table[1:], inclusive=True)
-    values = jnp.asarray(table)
-    return lower, values[lower], values[jnp.minimum(lower + 1, table.size - 1)]
+  assert 2**num_levels == table.size and num_levels <= 4, table.size
   decided = []
   low = jnp.full(x.shape, table[0], jnp.float32)
   high = jnp.full(x.shape, table[-1], jnp.float32)
@@ -226,6 +216,8 @@ def encode_nearest(n: jax.Array, mapping: str, bits: int, signed: bool,
     levels = 2**bits
     code = jnp.clip(jnp.ceil(n * np.float32(levels) - np.float32(1.5)), 0, levels - 1)
     return code.astype(dtype)
+  if bits == 8:
+    return dynamic_map.encode_nearest(n, mapping, signed).astype(dtype)
   return count_above(n, midpoint_thresholds(mapping, bits, signed)).astype(dtype)
 
 
@@ -239,7 +231,15 @@ def encode_stochastic(n: jax.Array, uniform: jax.Array, mapping: str, bits: int,
   """
   table = _table(mapping, bits, signed)
   n = jnp.clip(n, table[0], table[-1])
-  lower, low_value, high_value = bracket(n, table)
+  if mapping == "Linear" and bits == 8:
+    # Entries (i + 1) / 2**b: the entry below n in closed form, exact in float32.
+    lower = jnp.clip(jnp.floor(n * np.float32(2**bits)).astype(jnp.int32) - 1, 0, 2**bits - 1)
+    low_value = decode(lower, mapping, bits, signed)
+    high_value = decode(jnp.minimum(lower + 1, 2**bits - 1), mapping, bits, signed)
+  elif bits == 8:
+    lower, low_value, high_value = dynamic_map.bracket(n, mapping, signed)
+  else:
+    lower, low_value, high_value = bracket(n, table)
   gap = high_value - low_value
   round_up_probability = jnp.where(gap > 0, (n - low_value) / jnp.where(gap > 0, gap, 1), 0)
   return (lower + (uniform < round_up_probability).astype(jnp.int32)).astype(dtype)
@@ -254,7 +254,7 @@ def decode(codes: jax.Array, mapping: str, bits: int, signed: bool) -> jax.Array
     codes = codes.astype(jnp.int32)
     decided = [(codes & (1 << (bits - 1 - level))) != 0 for level in range(bits)]
     return _select_by_bits(decided, list(table))
-  return jnp.asarray(table)[codes.astype(jnp.int32)]
+  return dynamic_map.decode(codes, mapping, signed)
 
 
 # Stochastic rounding's random numbers: a counter-based hash of the element
