@@ -51,6 +51,7 @@ OPTIMIZERS = {
                                                                 implementation="xla"),
     "adamw_4bit_factor xla": lambda: optax4bit.adamw_4bit_factor(1e-3, implementation="xla"),
     "adamw_8bit xla": lambda: optax4bit.adamw_8bit(1e-3, implementation="xla"),
+    "adamw_8bit jnp": lambda: optax4bit.adamw_8bit(1e-3, implementation="jnp"),
     "optax.sgd momentum": lambda: optax.sgd(1e-3, momentum=0.9),
     "sgdm_4bit xla": lambda: optax4bit.sgdm_4bit(1e-3, momentum=0.9, implementation="xla"),
     "adamw_4bit jnp": lambda: optax4bit.adamw_4bit(1e-3, implementation="jnp"),

@@ -1,8 +1,8 @@
 """The XLA engine (`optax4bit.xla`, ``implementation="xla"``) against the jnp
 reference on CPU: codes and scales bit for bit, updates to float32 rounding,
 for every hand-written optimizer, float32 and bfloat16, ragged, 1-D, 3-D and
-small leaves, sharded and not (8-bit moments run the jnp engine); and its
-compiled 4-bit step has no loop and no gather."""
+small leaves, sharded and not; and its compiled step has no loop and no
+gather, 8-bit moments included (their tables in closed form)."""
 
 
 import chex
@@ -57,9 +57,9 @@ def _run(tx, params, steps=3):
   return updates, state
 
 
-# The default run: the default recipe in float32; the other optimizers, and bfloat16,
+# The default run: the default recipe and adamw_8bit in float32; the other optimizers, and bfloat16,
 # with -m slow (CI's time: about 16 s each). The stall rule's XLA codes are checked by tests/test_stall_rounding.py.
-_DEFAULT_RUN = {("adamw_4bit", "f32")}
+_DEFAULT_RUN = {("adamw_4bit", "f32"), ("adamw_8bit", "f32")}
 CASES = [pytest.param(name, dtype, id=f"{name}-{dtype_id}",
                       marks=() if (name, dtype_id) in _DEFAULT_RUN else pytest.mark.slow)
          for name in OPTIMIZERS for dtype, dtype_id in ((jnp.float32, "f32"),
@@ -87,7 +87,7 @@ def test_codes_and_updates_equal_the_jnp_engine(name, dtype):
                                 rtol=1e-5 if dtype == jnp.float32 else 1e-2, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["adamw_4bit", "adamw_4bit_factor", "sgdm_4bit"])
+@pytest.mark.parametrize("name", ["adamw_4bit", "adamw_4bit_factor", "sgdm_4bit", "adamw_8bit"])
 def test_compiled_step_has_no_loop_and_no_gather(name):
   params = _params(jnp.float32)
   tx = OPTIMIZERS[name]("xla")
@@ -98,13 +98,16 @@ def test_compiled_step_has_no_loop_and_no_gather(name):
   assert " gather(" not in hlo
 
 
-def test_8bit_leaves_run_the_jnp_engine():
+def test_8bit_leaves_run_in_one_piece():
   spec = QuantSpec.parse("B256/DE", bits=8)
-  moments = (qarray.zeros((64, 512), jnp.float32, spec),) * 2
+  moments = (qarray.zeros((64, 512), jnp.float32, spec),
+             qarray.zeros((64, 512), jnp.float32, QuantSpec.parse("B256/DE", bits=8,
+                                                                  signed=False)))
   step = FusedStep.adam(0.9, 0.999, 1e-8, 0.0, jnp.int32(1), False)
-  assert dispatch.resolve("xla").steps.run(step, jnp.ones((64, 512)), moments) is None
+  assert dispatch.resolve("xla").steps.run(step, jnp.ones((64, 512)), moments) is not None
   (m, _) = moments
-  assert xla_codec.decode(m.codes, m.scales, m.spec, m.layout, m.shape) is None
+  np.testing.assert_array_equal(xla_codec.decode(m.codes, m.scales, m.spec, m.layout, m.shape),
+                                np.zeros((64, 512), np.float32))
 
 
 @pytest.mark.parametrize("length", [1, 2, 7, 128, 257])

@@ -1,6 +1,6 @@
 """The XLA engine's fused steps: one leaf's update as whole-leaf XLA ops.
 
-`XlaSteps` runs every leaf with 4-bit or plain moments in one piece: decode
+`XlaSteps` runs every leaf in one piece (4-bit, 8-bit or plain moments): decode
 the moments, the elementwise step of `optax4bit._steps`, the new moments'
 scales and their encoding, with no loop and no gather, so that XLA fuses decode,
 step and encode into a few kernels per leaf (the jnp engine's row chunks in
@@ -128,8 +128,7 @@ def _local_update(rebuild_step, context: LeafContext, grad, moments, side, keys,
 @dataclasses.dataclass(frozen=True)
 class XlaSteps:
   """The fused per-leaf steps of one update as whole-leaf XLA ops. `run`
-  returns ``(update, new_moments)``; it declines (None) a leaf with an 8-bit
-  moment (`optax4bit.xla.codec`) and a sharded leaf whose shards are uneven
+  returns ``(update, new_moments)``; it declines (None) a sharded leaf whose shards are uneven
   (the jnp engine then raises its alignment error)."""
 
   def run(self, step: FusedStep, grad: jax.Array, moments: Sequence,
@@ -140,8 +139,6 @@ class XlaSteps:
     key (or None) per moment; ``context``: the leaf's
     `optax4bit._leaf_context.LeafContext` (its codecs decode and encode)."""
     moments = tuple(moments)
-    if any(isinstance(m, QuantizedArray) and m.spec.bits != 4 for m in moments):
-      return None  # 8-bit tables: see `optax4bit.xla.codec`
     keys = (None,) * len(moments) if keys is None else tuple(keys)
     rebuild, consts = _shard_map.hoist_partial(step.elementwise())
 
