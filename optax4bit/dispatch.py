@@ -18,8 +18,8 @@ Every optimizer of the library takes ``implementation=``:
 * ``"jnp"``: the jnp reference (`optax4bit._leafwise`), always.
 * ``"xla"``: the XLA engine (`optax4bit.xla`): every leaf in one piece, no
   loop, no gather, any platform; the jnp reference's codes.
-* ``"tpu"``: the Pallas TPU (Mosaic) kernels of `optax4bit.tpu`: 2-D 4-bit
-  leaves whose rows are a multiple of 256 elements, in one or two passes, no
+* ``"tpu"``: the Pallas TPU (Mosaic) kernels of `optax4bit.tpu`: 4-bit and
+  8-bit leaves of two axes or more whose rows are a multiple of 256 elements, in one or two passes, no
   loop; other quantized leaves run the jnp engine. Lowers only for a TPU.
 * ``"tpu_interpret"``: the same kernels in Pallas interpret mode, on any
   backend (slow; for tests).

@@ -192,11 +192,12 @@ def test_adamw_4bit_update_is_within_its_budgets(update_rows):
   assert row.state_bytes < 0.2 * base.state_bytes
 
 
-@pytest.mark.parametrize("name", ["adamw_4bit_factor"])
+@pytest.mark.parametrize("name", ["adamw_4bit_factor", "adamw_8bit"])
 def test_stacked_leaves_compile_to_the_kernels(v5e, name):
   """A stack of matrices (layers under ``jax.lax.scan``), Factor's per-slab
   side inputs included, and a leaf whose rows end in a ragged program: the
-  kernels lower for the TPU (interpret mode does not lower them)."""
+  kernels lower for the TPU (interpret mode does not lower them); 8-bit
+  codes, blocks of 256 and the tables' closed form included."""
   tx = tpu_compile.OPTIMIZERS[name][0]("auto")
   sharding = jax.sharding.SingleDeviceSharding(v5e)
   params = {"stack": jax.ShapeDtypeStruct((2, 64, 512), jnp.float32, sharding=sharding),

@@ -1,6 +1,7 @@
 """The TPU engine (`optax4bit.tpu`, ``implementation="tpu"``) in Pallas
 interpret mode against the jnp reference on CPU: codes and scales bit for
-bit, updates to float32 rounding, for every hand-written 4-bit optimizer,
+bit, updates to float32 rounding, for every hand-written 4-bit optimizer and
+`adamw_8bit`,
 float32 and bfloat16, sharded and not; the leaves it covers run its kernels
 (and no loop), the others the jnp engine. `tests/test_tpu_compile.py`
 compiles it for a TPU."""
@@ -35,6 +36,10 @@ OPTIMIZERS = {
         implementation=impl),
     "adamw_4bit_factor": lambda impl: optax4bit.adamw_4bit_factor(1e-2, implementation=impl),
     "sgdm_4bit": lambda impl: optax4bit.sgdm_4bit(1e-2, momentum=0.9, implementation=impl),
+    # 8-bit codes (a byte per element) in blocks of 256 (a chunk: both pieces' maximum).
+    "adamw_8bit": lambda impl: optax4bit.adamw_8bit(1e-2, implementation=impl),
+    "adamw_4bit m B256": lambda impl: optax4bit.adamw_4bit(
+        1e-2, first_moment=QuantSpec.parse("B256/NF"), implementation=impl),
 }
 
 
@@ -79,9 +84,9 @@ def _assert_equal_to_jnp(name, dtype, ref, got):
                                 rtol=1e-5 if dtype == jnp.float32 else 1e-2, atol=1e-7)
 
 
-# The default run: the default recipe in float32 (CI's time), and Factor's per-slab side
+# The default run: the default recipe and adamw_8bit in float32 (CI's time), and Factor's per-slab side
 # inputs on the stacked leaf alone (`test_factor_on_a_stack`); the rest with -m slow.
-_DEFAULT_RUN = {("adamw_4bit", "f32")}
+_DEFAULT_RUN = {("adamw_4bit", "f32"), ("adamw_8bit", "f32")}
 CASES = [pytest.param(name, dtype, id=f"{name}-{dtype_id}",
                       marks=() if (name, dtype_id) in _DEFAULT_RUN else pytest.mark.slow)
          for name in OPTIMIZERS for dtype, dtype_id in ((jnp.float32, "f32"),
@@ -102,7 +107,8 @@ def test_factor_on_a_stack():
                        _run(OPTIMIZERS[name]("tpu_interpret"), params))
 
 
-def test_extreme_gradients_keep_the_jnp_engines_codes():
+@pytest.mark.parametrize("name", ["adamw_4bit", "adamw_8bit"])
+def test_extreme_gradients_keep_the_jnp_engines_codes(name):
   """All-zero rows, inf and NaN gradients, huge and tiny values."""
   g = np.full((64, 512), 1e-3, np.float32)
   g[0] = 0.0
@@ -112,16 +118,17 @@ def test_extreme_gradients_keep_the_jnp_engines_codes():
   grads = {"w": jnp.asarray(g)}
   out = []
   for impl in ("jnp", "tpu_interpret"):
-    tx = optax4bit.adamw_4bit(1e-2, implementation=impl)
+    tx = OPTIMIZERS[name](impl)
     state = tx.init(params)
     for _ in range(2):
       updates, state = jax.jit(tx.update)(grads, state, params)
     out.append((updates, state))
-  _assert_equal_to_jnp("adamw_4bit", jnp.float32, out[0], out[1])
+  _assert_equal_to_jnp(name, jnp.float32, out[0], out[1])
 
 
 @pytest.mark.parametrize("name,kernels", [("adamw_4bit", 2), ("adamw_4bit paper", 2),
-                                          ("adamw_4bit_factor", 1), ("sgdm_4bit", 1)])
+                                          ("adamw_4bit_factor", 1), ("sgdm_4bit", 1),
+                                          ("adamw_8bit", 1)])
 def test_covered_leaves_run_the_kernels_without_a_loop(name, kernels):
   """A stats pass where a moment has rank-1 scales, then the step pass; the
   plain (unquantized) leaf runs as XLA ops, also without a loop."""
@@ -140,10 +147,10 @@ def test_uncovered_shapes_are_declined(shape):
   assert dispatch.resolve("tpu_interpret").steps.run(step, jnp.ones(shape), moments) is None
 
 
-def test_8bit_moments_are_declined():
-  spec = QuantSpec.parse("B256/DE", bits=8)
-  moments = (qarray.zeros((64, 512), jnp.float32, spec),) * 2
-  step = FusedStep.adam(0.9, 0.999, 1e-8, 0.0, jnp.int32(1), False)
+def test_other_block_sizes_are_declined():
+  spec = QuantSpec.parse("B512/DE", bits=8)
+  moments = (qarray.zeros((64, 512), jnp.float32, spec),)
+  step = FusedStep.heavy_ball(0.9, False)
   assert dispatch.resolve("tpu_interpret").steps.run(step, jnp.ones((64, 512)), moments) is None
 
 

@@ -75,7 +75,8 @@ def test_train_step_exports_for_tpu(name):
   targets = set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", exported.mlir_module()))
   assert targets <= {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape",
                      "tpu_custom_call"}, targets
-  hand_written = name in ("adamw_4bit", "adamw_4bit paper", "adamw_4bit_factor", "sgdm_4bit")
+  hand_written = name in ("adamw_4bit", "adamw_4bit paper", "adamw_4bit_factor", "sgdm_4bit",
+                          "adamw_8bit")
   assert ("tpu_custom_call" in targets) == hand_written, targets
 
 

@@ -98,6 +98,10 @@ def _by_level(level: jax.Array, values: list):
   return pick(0, values)
 
 
+def _int(condition):
+  return condition.astype(jnp.int32)
+
+
 def _two_sum(a, b):
   """``(s, e)`` with ``s = fl(a + b)`` and ``a + b = s + e`` exactly."""
   s = a + b
@@ -151,12 +155,14 @@ def encode_nearest(x: jax.Array, mapping: str, signed: bool) -> jax.Array:
     negative = x < 0
     m = jnp.minimum(jnp.abs(x), np.float32(1))
     index, low, high = _floor_index(m, True)
-    nearer_high = jnp.where(negative, m - low >= high - m, m - low > high - m)
+    # Selects of int32, not of booleans (Mosaic lowers no select of i1).
+    nearer_high = jnp.where(negative, _int(m - low >= high - m), _int(m - low > high - m))
     # The first two non-zero entries: the midpoint's float32 neighbours decide
     # (ties: the lower code, the larger magnitude below zero).
     below, above = _constants(True)["first_midpoint"]
-    nearer_high = jnp.where(index == 1, jnp.where(negative, m >= above, m > below), nearer_high)
-    nearest = jnp.where(index >= top, top, index + nearer_high.astype(jnp.int32))
+    nearer_high = jnp.where(index == 1, jnp.where(negative, _int(m >= above), _int(m > below)),
+                            nearer_high)
+    nearest = jnp.where(index >= top, top, index + nearer_high)
     codes = jnp.where(negative, 127 - jnp.minimum(nearest, 127), 127 + nearest)
   else:
     m = jnp.clip(x, np.float32(0), np.float32(1))

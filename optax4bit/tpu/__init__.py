@@ -1,4 +1,4 @@
-"""The TPU engine: each 4-bit leaf's fused step as Pallas TPU (Mosaic)
+"""The TPU engine: each 4-bit or 8-bit leaf's fused step as Pallas TPU (Mosaic)
 kernels, `steps.TpuSteps` (``implementation="tpu"``; ``"tpu_interpret"``
 runs them in Pallas interpret mode on any backend, for tests).
 

@@ -1,7 +1,8 @@
 """The Pallas TPU (Mosaic) kernels of one leaf: a stats pass and a step pass.
 
 A leaf is a matrix ``(R, D)`` with ``D`` a multiple of 256; its packed 4-bit
-codes are ``(R, D / 2)`` uint8. A program owns ``BR`` whole rows (`Plan`) and
+codes are ``(R, D / 2)`` uint8, its 8-bit codes ``(R, D)`` (a byte per
+element: no nibbles to spread). A program owns ``BR`` whole rows (`Plan`) and
 walks them in chunks of 256 elements, whose codes are 128 bytes: one lane
 tile. Everything elementwise runs on pieces of 128 elements (one lane tile of
 float32), chunk element ``c`` in piece ``c // 128``.
@@ -21,8 +22,8 @@ per element and moment, a fifth of the memory time on a v5e.
 **Passes.** Rank-1 scales span every tile, so where a new moment has them a
 stats pass runs the step first and writes only their maxima: per row (whole
 in a program) and per column and row tile (reduced with jnp after it). Block
-scales (128 elements along the last axis, one piece) are the piece's own
-maximum, known inside the step pass. The step pass decodes, steps, encodes
+scales (128 or 256 elements along the last axis: a piece or a chunk) are the
+block's own maximum, known inside the step pass. The step pass decodes, steps, encodes
 and writes the update and the new moments over the inputs they replace
 (``input_output_aliases``), but the update, which gets a buffer of its own.
 
@@ -79,9 +80,15 @@ def _shuffle_matrices() -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class MomentFormat:
-  """A 4-bit moment's quantizer and where its scales come from."""
+  """A moment's quantizer, where its scales come from and, for ``BLOCK``,
+  the elements of a block (a piece or a chunk)."""
   spec: QuantSpec
   kind: str  # BLOCK or RANK1
+  block: int = PIECE
+
+  def block_index(self, chunk, half: int):
+    """The block of the chunk's piece ``half`` (its column in the block scales)."""
+    return 2 * chunk + half if self.block == PIECE else chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,12 +159,13 @@ def covers(shape: tuple, formats: tuple) -> bool:
 
 
 def moment_format(spec: QuantSpec, layout: normalize.Layout) -> Optional[MomentFormat]:
-  """The kernels' format of a moment (None where they do not cover it)."""
-  if spec.bits != 4:
+  """The kernels' format of a moment (None where they do not cover it): 4 or
+  8 bits, blocks of a piece or a chunk along the last axis, or rank-1."""
+  if spec.bits not in (4, 8):
     return None
-  if layout.normalization == "block" and layout.block_size == PIECE and \
+  if layout.normalization == "block" and layout.block_size in (PIECE, CHUNK) and \
       layout.rows_per_block == 1:
-    return MomentFormat(spec, BLOCK)
+    return MomentFormat(spec, BLOCK, layout.block_size)
   if layout.normalization == "rank1":
     return MomentFormat(spec, RANK1)
   return None
@@ -220,14 +228,15 @@ class _Program:
                  for p in range(2))
     return packed.astype(jnp.int32)
 
-  def scales_of_piece(self, refs, fmt: MomentFormat, piece):
+  def scales_of_piece(self, refs, fmt: MomentFormat, chunk, half: int):
     """A piece's scales: ``((BR, 1),)`` block, ``((BR, 1), (1, 128))`` rank-1
     (the leading axes' minimum, then the last axis's), and the
     `normalize.Layout` that expands them (a block scale per row of the
     piece broadcasts like a tensor scale)."""
     if fmt.kind == BLOCK:
-      return (_column(refs[1][...], piece),), normalize.Layout("tensor", 0, 1)
-    return ((self.per_row(refs[1]), refs[2][:, _piece_lanes(piece)]),
+      return ((_column(refs[1][...], fmt.block_index(chunk, half)),),
+              normalize.Layout("tensor", 0, 1))
+    return ((self.per_row(refs[1]), refs[2][:, _piece_lanes(2 * chunk + half)]),
             normalize.Layout("rank1", 0, 1))
 
   def per_row(self, ref):
@@ -298,9 +307,13 @@ def _decoded_chunk(program: _Program, chunk):
     if i not in program.old:
       continue
     refs = program.old[i]
-    packed = refs[0][:, _lanes(chunk, PIECE)].astype(jnp.int32)
-    for half, codes in enumerate(program.spread(packed)):
-      scales, layout = program.scales_of_piece(refs, fmt, 2 * chunk + half)
+    if fmt.spec.bits == 4:
+      pieces = program.spread(refs[0][:, _lanes(chunk, PIECE)].astype(jnp.int32))
+    else:  # A byte per code: the piece's own lanes.
+      pieces = [refs[0][:, _piece_lanes(2 * chunk + half)].astype(jnp.int32)
+                for half in range(2)]
+    for half, codes in enumerate(pieces):
+      scales, layout = program.scales_of_piece(refs, fmt, chunk, half)
       values = maps.decode(codes, fmt.spec.mapping, fmt.spec.bits, fmt.spec.signed)
       old_values[half][i] = values * normalize.expand_scales(scales, layout, values.shape)
       old_codes[half][i] = codes
@@ -362,17 +375,26 @@ def step_kernel(plan: Plan, rebuild_step: Callable, *refs):
 
   def chunk_step(chunk, block_scales):
     block_scales = list(block_scales)
-    new_codes = [[None, None] for _ in plan.moments]
+    halves = []
     for half, (grad, old, stored, side) in enumerate(_decoded_chunk(program, chunk)):
-      piece = 2 * chunk + half
       update, new = step(grad, old, side)
-      update_ref[:, _piece_lanes(piece)] = update.astype(update_ref.dtype)
-      for i, fmt in enumerate(plan.moments):
+      update_ref[:, _piece_lanes(2 * chunk + half)] = update.astype(update_ref.dtype)
+      halves.append((new, stored))
+    for i, fmt in enumerate(plan.moments):
+      if fmt.kind == BLOCK:
+        maxima = [jnp.max(normalize.finite_abs(new[i]), axis=1, keepdims=True)
+                  for new, _ in halves]
+        if fmt.block == CHUNK:  # One block over both pieces.
+          maxima = [jnp.maximum(*maxima)] * 2
+        lanes = jax.lax.broadcasted_iota(jnp.int32, block_scales[i].shape, 1)
+        for half in range(2):
+          block_scales[i] = jnp.where(lanes == fmt.block_index(chunk, half), maxima[half],
+                                      block_scales[i])
+      codes = []
+      for half, (new, stored) in enumerate(halves):
+        piece = 2 * chunk + half
         if fmt.kind == BLOCK:
-          scale = jnp.max(normalize.finite_abs(new[i]), axis=1, keepdims=True)
-          lanes = jax.lax.broadcasted_iota(jnp.int32, block_scales[i].shape, 1)
-          block_scales[i] = jnp.where(lanes == piece, scale, block_scales[i])
-          inverse = normalize.inverse_times_4(scale)
+          inverse = normalize.inverse_times_4(maxima[half])
         else:
           # The leading axes' maxima come combined, as the maximum of their
           # inverses (`normalize.normalize`'s for rank-1, in another order).
@@ -381,10 +403,12 @@ def step_kernel(plan: Plan, rebuild_step: Callable, *refs):
                                 normalize.inverse_times_4(col[:, _piece_lanes(piece)]))
         n = normalize.normalize_by_inverse(new[i], inverse)
         uniform = program.uniform(plan.seeded.index(i), piece) if fmt.spec.stochastic else None
-        new_codes[i][half] = _int_codes(n, fmt.spec, uniform, stored[i])
-    for i in range(len(plan.moments)):
-      packed = program.gather(new_codes[i])
-      code_refs[i][:, _lanes(chunk, PIECE)] = packed.astype(jnp.uint8)
+        codes.append(_int_codes(n, fmt.spec, uniform, stored[i]))
+      if fmt.spec.bits == 4:
+        code_refs[i][:, _lanes(chunk, PIECE)] = program.gather(codes).astype(jnp.uint8)
+      else:
+        for half in range(2):
+          code_refs[i][:, _piece_lanes(2 * chunk + half)] = codes[half].astype(jnp.uint8)
     return tuple(block_scales)
 
   init = tuple(jnp.zeros(ref.shape, jnp.float32) if ref is not None else jnp.zeros((), jnp.float32)

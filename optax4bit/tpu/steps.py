@@ -1,7 +1,8 @@
 """The TPU engine's fused steps: Pallas TPU (Mosaic) kernels per leaf.
 
-`TpuSteps` runs a leaf of two or more axes whose moments are all 4-bit, with
-block scales of 128 elements along the last axis or rank-1 scales, and whose
+`TpuSteps` runs a leaf of two or more axes whose moments are all 4-bit or
+8-bit, with block scales of 128 or 256 elements along the last axis or rank-1
+scales, and whose
 last axis is a multiple of 256 (at most 8192; with more than two axes the
 second-to-last a multiple of 32): viewed as a matrix ``(rows, last axis)``,
 a stats pass where a moment has rank-1 scales, then one step pass
@@ -166,7 +167,8 @@ def _local_update(rebuild, context: LeafContext, grad, moments, side, keys, cons
     origin, full_shape = _codecs.hash_origin(shape, context)
     bases = maps.row_hash_bases(shape, origin, full_shape)
     row_bases = jax.lax.bitcast_convert_type(bases, jnp.int32).reshape(rows, 1)
-  raw = tuple((m.codes.reshape(rows, cols // 2), *_matrix_scales(m, rows, cols)) for m in moments)
+  raw = tuple((m.codes.reshape(rows, cols // 2 if m.spec.bits == 4 else cols),
+               *_matrix_scales(m, rows, cols)) for m in moments)
   side_arrays = []
   for s, kind in zip(side, side_kinds):
     s = jnp.asarray(s, jnp.float32)
