@@ -46,6 +46,9 @@ Columns (from the compiled executable):
 * ``temp``: ``memory_analysis().temp_size_in_bytes``; ``total``: arguments +
   outputs - aliased (the donated buffers counted once) + temp, as in
   ``benchmarks/training_memory.py``. MiB.
+* ``compile s``: seconds to trace, lower and compile the step, after every
+  optimizer compiled a small update once (`warm_up`: one-time costs of the
+  process are not counted against the first optimizer measured).
 * ``fus/leaf``: (fusions - the baseline's fusions) / the leaves with more than
   4096 elements (those the optimizers quantize by default).
 * ``opt s raw``, ``unest.``, ``est. s``, ``x base``: XLA:TPU's
@@ -387,6 +390,20 @@ def format_row(r: Row) -> str:
           f"| {ratio(r.optimal_ratio)} | {ratio(r.fusions_per_quantized_leaf, '{:.1f}')} |")
 
 
+def warm_up(names, generation: str, implementation: str) -> None:
+  """Compiles each optimizer's update of a small tree once, so that one-time
+  costs (the first Pallas TPU lowering, the quantizers' constant tables) are
+  not counted in the first measured optimizer's compile time."""
+  device = tpu_device(generation)
+  params = {"w": jax.ShapeDtypeStruct((64, 512), jnp.float32),
+            "b": jax.ShapeDtypeStruct((64,), jnp.float32)}
+  for name in names:
+    tx = OPTIMIZERS[name][0](implementation)
+    state = jax.eval_shape(tx.init, params)
+    jax.jit(tx.update).lower(_on(device, params), _on(device, state),
+                             _on(device, params)).compile()
+
+
 def run(optimizers=None, settings=("update",), dtypes=("float32",), generations=("v5e",),
         implementation: str = "auto", scale: int = 1, progress=None) -> list:
   """Rows for every (generation, setting, dtype, optimizer); the baselines
@@ -396,6 +413,7 @@ def run(optimizers=None, settings=("update",), dtypes=("float32",), generations=
   ordered = [n for n in OPTIMIZERS if n in wanted]
   rows = []
   for generation in generations:
+    warm_up(ordered, generation, implementation)
     for setting in settings:
       for dtype in dtypes:
         done = {}

@@ -16,6 +16,7 @@ import functools
 from typing import Callable, Optional
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax4bit import _order
@@ -44,6 +45,46 @@ def _global_max(dim_axes: tuple, scales: tuple, layout: normalize.Layout) -> tup
   return scales
 
 
+def _static_key(x):
+  """A value's identity as a static argument: floats by their bits (``0.0``
+  and ``-0.0`` differ, a NaN equals itself)."""
+  if isinstance(x, (float, np.floating)):
+    return type(x), float(x).hex()
+  return type(x), x
+
+
+class _Rebuild:
+  """``rebuild(consts)``: the partial with its array arguments replaced.
+  Rebuilds of the same function with the same static arguments are equal and
+  hash alike, so that a kernel traced for one leaf is reused for the next
+  leaf of the same shape (`jax.jit`'s cache, `optax4bit.tpu._kernel`)."""
+
+  def __init__(self, func, treedef, leaves, dynamic):
+    self._func, self._treedef, self._dynamic = func, treedef, tuple(dynamic)
+    self._static = tuple(None if d else x for x, d in zip(leaves, dynamic))
+    key = (func, treedef, self._dynamic,
+           tuple(_static_key(x) for x, d in zip(leaves, dynamic) if not d))
+    try:
+      self._hash = hash(key)
+      self._key = key
+    except TypeError:  # An unhashable static argument: equal to itself only.
+      self._hash, self._key = id(self), None
+
+  def __call__(self, new_consts):
+    it = iter(new_consts)
+    args, keywords = self._treedef.unflatten(
+        [next(it) if d else x for x, d in zip(self._static, self._dynamic)])
+    return functools.partial(self._func, *args, **keywords)
+
+  def __eq__(self, other):
+    if self._key is None or not isinstance(other, _Rebuild) or other._key is None:
+      return self is other
+    return self._key == other._key
+
+  def __hash__(self):
+    return self._hash
+
+
 def hoist_partial(fn: Callable):
   """Splits ``fn`` into ``(rebuild, consts)`` with ``rebuild(consts) == fn``.
 
@@ -51,19 +92,14 @@ def hoist_partial(fn: Callable):
   bias corrections); they must enter ``shard_map`` as arguments, since a
   ``shard_map`` cannot close over arrays with explicit sharding. Python
   numbers stay static, so the arithmetic is exactly that of ``fn``.
+  ``rebuild`` is hashable: equal for equal functions and static arguments.
   """
   if not isinstance(fn, functools.partial):
-    return (lambda consts: fn), ()
+    return _Rebuild(fn, jax.tree.structure(((), {})), [], []), ()
   leaves, treedef = jax.tree.flatten((fn.args, fn.keywords))
   dynamic = [isinstance(x, (jax.Array, jax.core.Tracer)) for x in leaves]
   consts = tuple(x for x, d in zip(leaves, dynamic) if d)
-
-  def rebuild(new_consts):
-    it = iter(new_consts)
-    args, keywords = treedef.unflatten([next(it) if d else x for x, d in zip(leaves, dynamic)])
-    return functools.partial(fn.func, *args, **keywords)
-
-  return rebuild, consts
+  return _Rebuild(fn.func, treedef, leaves, dynamic), consts
 
 
 def split_moments(moments: tuple) -> tuple:

@@ -510,6 +510,10 @@ def _operands(plan: Plan, step_pass: bool, consts, seeds, row_bases, grad, momen
   return ops
 
 
+# The passes are jitted with the plan and the step static: leaves of one shape
+# and step (a model's layers) trace and lower their kernels once, not once each
+# (a kernel's trace and Mosaic lowering took about 0.5 s, most of the compile).
+@functools.partial(jax.jit, static_argnames=("plan", "rebuild_step", "interpret"))
 def maxima(plan: Plan, rebuild_step: Callable, consts, seeds, grad, moments, side,
            interpret: bool) -> dict:
   """The stats pass: per global moment ``i``, its new value's row and column
@@ -532,6 +536,7 @@ def maxima(plan: Plan, rebuild_step: Callable, consts, seeds, grad, moments, sid
           for k, i in enumerate(plan.global_moments)}
 
 
+@functools.partial(jax.jit, static_argnames=("plan", "rebuild_step", "interpret"))
 def step(plan: Plan, rebuild_step: Callable, consts, seeds, row_bases, grad, moments, side,
          new_scales: dict, interpret: bool) -> tuple:
   """The step pass: ``(update, per moment (codes, block scales or ()))``,
