@@ -13,6 +13,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
@@ -86,6 +87,27 @@ def test_hoist_partial_passes_arrays_and_keeps_numbers():
   assert rebuild((y, y))(5) == (0.9, y, 5, y)
   rebuild, consts = _shard_map.hoist_partial(lambda a: a)
   assert consts == () and rebuild(())(4) == 4
+
+
+def test_hoist_partial_rebuilds_are_equal_for_equal_static_arguments():
+  """The TPU engine jits its kernels with the rebuild static: equal rebuilds
+  share one trace, and any other static argument gives another."""
+  def f(a, b, *, c):
+    return a, b, c
+
+  x, y = jnp.float32(2.0), jnp.float32(5.0)
+  first, _ = _shard_map.hoist_partial(functools.partial(f, 0.9, x, c=True))
+  second, _ = _shard_map.hoist_partial(functools.partial(f, 0.9, y, c=True))
+  assert first == second and hash(first) == hash(second)
+  for other in (functools.partial(f, 0.8, x, c=True), functools.partial(f, -0.0, x, c=True),
+                functools.partial(f, 0.9, x, c=False), functools.partial(lambda a, b, c: a, 0.9, x,
+                                                                        c=True)):
+    assert _shard_map.hoist_partial(other)[0] != first
+  assert (_shard_map.hoist_partial(functools.partial(f, 0.0, x, c=True))[0]
+          != _shard_map.hoist_partial(functools.partial(f, -0.0, x, c=True))[0])
+  unhashable, _ = _shard_map.hoist_partial(functools.partial(f, np.ones(2), x, c=True))
+  assert unhashable == unhashable
+  assert unhashable != _shard_map.hoist_partial(functools.partial(f, np.ones(2), x, c=True))[0]
 
 
 def test_single_device_unchanged():
