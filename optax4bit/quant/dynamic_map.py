@@ -67,6 +67,13 @@ def _constants(signed: bool) -> dict:
             "first_index": first_index,
             "last_position": [2 ** (level + offset) - 1 for level in range(_LEVELS)]}
   consts["first_entry"] = [_entry(consts, level, 0) for level in range(_LEVELS)]
+  # The entries either side of each level, for `_floor_index` (1 past the top).
+  last_entries = [_entry(consts, level, consts["last_position"][level])
+                  for level in range(_LEVELS)]
+  consts["previous_entry"] = [np.float32(0)] + last_entries[:-1]
+  consts["next_entry"] = consts["first_entry"][1:] + [np.float32(1)]
+  consts["next_second_entry"] = ([_entry(consts, level, 1) for level in range(1, _LEVELS)]
+                                 + [np.float32(1)])
   if signed:
     # float32 neighbours of the midpoint of the first two non-zero entries.
     exact = (float(consts["first_entry"][0]) + float(consts["first_entry"][1])) / 2
@@ -128,23 +135,43 @@ def magnitude(index: jax.Array, signed: bool) -> jax.Array:
 def _floor_index(m: jax.Array, signed: bool):
   """``(q, low, high)`` for float32 ``0 <= m <= 1``: ``q`` the largest
   magnitude index with ``magnitude(q) <= m``, ``low = magnitude(q)`` and
-  ``high = magnitude(q + 1)`` (1 at the top)."""
+  ``high = magnitude(q + 1)`` (1 at the top).
+
+  The three entries around ``m`` come from its level's constants, picked
+  once (entries past the level's ends are constants too): a third of the
+  arithmetic of three `magnitude` calls, which matters for compile time."""
   consts = _constants(signed)
   level = sum((m >= first).astype(jnp.int32) for first in consts["first_entry"]) - 1
   in_level = jnp.clip(level, 0, _LEVELS - 1)
+  pick = functools.partial(_by_level, in_level)
+  a_hi, a_lo, c_hi, c_lo = (pick(consts[k]) for k in ("a_hi", "a_lo", "c_hi", "c_lo"))
+  last = pick(consts["last_position"])
   # Position in the level (entries at integers), estimated to within 1/2 and
   # biased down by 1/2: the estimate is the entry below m or the one before.
-  coordinate = ((m - _by_level(in_level, consts["a_hi"]))
-                * _by_level(in_level, consts["inverse_2c"]))
-  position = jnp.clip(jnp.floor(coordinate - 1), -1, _by_level(in_level, consts["last_position"]))
-  estimate = _by_level(in_level, consts["first_index"]) + position.astype(jnp.int32)
-  estimate = jnp.minimum(jnp.where(level < 0, -1, estimate), _top(signed) - 1)
-  above = magnitude(estimate + 1, signed)
+  coordinate = (m - a_hi) * pick(consts["inverse_2c"])
+  position = jnp.clip(jnp.floor(coordinate - 1), -1, last).astype(jnp.int32)
+
+  def entry(p):  # `magnitude`'s arithmetic at position p of the level
+    odd = (2 * p + 1).astype(jnp.float32)
+    s, e = _two_sum(a_hi, odd * c_hi)
+    return s + (e + (a_lo + odd * c_lo))
+
+  next_entry = pick(consts["next_entry"])
+  below = jnp.where(position < 0, pick(consts["previous_entry"]), entry(position))
+  above = jnp.where(position + 1 > last, next_entry, entry(position + 1))
+  after = jnp.where(position + 2 > last,
+                    jnp.where(position + 2 > last + 1, pick(consts["next_second_entry"]),
+                              next_entry),
+                    entry(position + 2))
   step_up = above <= m
-  index = estimate + step_up.astype(jnp.int32)
-  low = jnp.where(step_up, above, magnitude(estimate, signed))
-  high = jnp.where(step_up, magnitude(estimate + 2, signed), above)
-  return index, low, high
+  index = pick(consts["first_index"]) + position + step_up.astype(jnp.int32)
+  low = jnp.where(step_up, above, below)
+  high = jnp.where(step_up, after, above)
+  # Below the first non-zero entry: the zero entry and the first.
+  first = consts["first_entry"][0]
+  zero = level < 0
+  return (jnp.where(zero, 0, index), jnp.where(zero, np.float32(0), low),
+          jnp.where(zero, first, high))
 
 
 def encode_nearest(x: jax.Array, mapping: str, signed: bool) -> jax.Array:
