@@ -47,8 +47,8 @@ def _top(signed: bool) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _constants(signed: bool) -> dict:
-  """float32 per-level constants (each an array of 7) and the levels' first
-  magnitude indices and entries."""
+  """float32 per-level constants (each a list of 7): the entries' sums, the
+  levels' first magnitude indices and entries, and the entries either side."""
   offset = 0 if signed else 1
   a_hi, a_lo, c_hi, c_lo, inverse_2c = [], [], [], [], []
   for level in range(_LEVELS):
@@ -86,9 +86,7 @@ def _constants(signed: bool) -> dict:
 
 def _entry(consts: dict, level: int, position: int) -> np.float32:
   """`magnitude`'s arithmetic in numpy float32 (no FMA) for one entry."""
-  odd = np.float32(2 * position + 1)
-  s, e = _two_sum(consts["a_hi"][level], odd * consts["c_hi"][level])
-  return s + (e + (consts["a_lo"][level] + odd * consts["c_lo"][level]))
+  return _entry_value(np.float32(2 * position + 1), *(consts[k][level] for k in _SUM_CONSTANTS))
 
 
 def _by_level(level: jax.Array, values: list):
@@ -106,7 +104,19 @@ def _by_level(level: jax.Array, values: list):
 
 
 def _int(condition):
+  """A condition as int32 (Mosaic lowers no select between booleans)."""
   return condition.astype(jnp.int32)
+
+
+# The per-level constants of an entry, in `_entry_value`'s order.
+_SUM_CONSTANTS = ("a_hi", "a_lo", "c_hi", "c_lo")
+
+
+def _entry_value(odd, a_hi, a_lo, c_hi, c_lo):
+  """``A + odd * C`` rounded once: ``odd * c_hi`` is exact, ``a_hi`` plus it
+  summed without error, the small rest added last (numpy or jnp float32)."""
+  s, e = _two_sum(a_hi, odd * c_hi)
+  return s + (e + (a_lo + odd * c_lo))
 
 
 def _two_sum(a, b):
@@ -125,9 +135,8 @@ def magnitude(index: jax.Array, signed: bool) -> jax.Array:
   level = sum((shifted >= 2**t).astype(jnp.int32) for t in range(1, _LEVELS + 1)) - offset
   level = jnp.clip(level, 0, _LEVELS - 1)
   position = shifted - jnp.left_shift(jnp.int32(1), level + offset)
-  odd = (2 * position + 1).astype(jnp.float32)
-  s, e = _two_sum(_by_level(level, consts["a_hi"]), odd * _by_level(level, consts["c_hi"]))
-  value = s + (e + (_by_level(level, consts["a_lo"]) + odd * _by_level(level, consts["c_lo"])))
+  value = _entry_value((2 * position + 1).astype(jnp.float32),
+                       *(_by_level(level, consts[k]) for k in _SUM_CONSTANTS))
   value = jnp.where(index <= 0, np.float32(0), value)
   return jnp.where(index >= _top(signed), np.float32(1), value)
 
@@ -144,17 +153,15 @@ def _floor_index(m: jax.Array, signed: bool):
   level = sum((m >= first).astype(jnp.int32) for first in consts["first_entry"]) - 1
   in_level = jnp.clip(level, 0, _LEVELS - 1)
   pick = functools.partial(_by_level, in_level)
-  a_hi, a_lo, c_hi, c_lo = (pick(consts[k]) for k in ("a_hi", "a_lo", "c_hi", "c_lo"))
+  level_constants = [pick(consts[k]) for k in _SUM_CONSTANTS]
   last = pick(consts["last_position"])
   # Position in the level (entries at integers), estimated to within 1/2 and
   # biased down by 1/2: the estimate is the entry below m or the one before.
-  coordinate = (m - a_hi) * pick(consts["inverse_2c"])
+  coordinate = (m - level_constants[0]) * pick(consts["inverse_2c"])
   position = jnp.clip(jnp.floor(coordinate - 1), -1, last).astype(jnp.int32)
 
-  def entry(p):  # `magnitude`'s arithmetic at position p of the level
-    odd = (2 * p + 1).astype(jnp.float32)
-    s, e = _two_sum(a_hi, odd * c_hi)
-    return s + (e + (a_lo + odd * c_lo))
+  def entry(p):  # position p of the level
+    return _entry_value((2 * p + 1).astype(jnp.float32), *level_constants)
 
   next_entry = pick(consts["next_entry"])
   below = jnp.where(position < 0, pick(consts["previous_entry"]), entry(position))
