@@ -40,6 +40,13 @@ OPTIMIZERS = {
     "adamw_8bit": lambda impl: optax4bit.adamw_8bit(1e-2, implementation=impl),
     "adamw_4bit m B256": lambda impl: optax4bit.adamw_4bit(
         1e-2, first_moment=QuantSpec.parse("B256/NF"), implementation=impl),
+    # 4-bit and 8-bit moments in one leaf; 8-bit with rank-1 scales and without zero.
+    "adamw_4bit v 8-bit DE-0": lambda impl: optax4bit.adamw_4bit(
+        1e-2, second_moment=QuantSpec("block", "DE-0", bits=8, block_size=256),
+        implementation=impl),
+    "adamw_4bit v 8-bit rank-1": lambda impl: optax4bit.adamw_4bit(
+        1e-2, second_moment=QuantSpec.parse("Rank-1/DE", bits=8, signed=False, stochastic=True),
+        implementation=impl),
 }
 
 
