@@ -387,7 +387,7 @@ def step_kernel(plan: Plan, rebuild_step: Callable, *refs):
         if fmt.block == CHUNK:  # One block over both pieces.
           maxima = [jnp.maximum(*maxima)] * 2
         lanes = jax.lax.broadcasted_iota(jnp.int32, block_scales[i].shape, 1)
-        for half in range(2):
+        for half in range(1 if fmt.block == CHUNK else 2):  # a chunk's block: one column
           block_scales[i] = jnp.where(lanes == fmt.block_index(chunk, half), maxima[half],
                                       block_scales[i])
       codes = []
