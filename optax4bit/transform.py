@@ -308,6 +308,9 @@ def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size, context):
   grad, row_stats, totals = _leafwise.grad_sums(grad, sums, chunk_size, context=context)
   row_sum = row_stats[0]
   col_sum = totals[0] if grad.ndim == 2 else row_stats[1]
+  # Without the barrier XLA:TPU moves the EMA's scaling before the sums'
+  # reshape, into the reduction's layout, and splits each EMA in two fusions.
+  row_sum, col_sum = jax.lax.optimization_barrier((row_sum, col_sum))
   row = b2 * old.row + (1 - b2) * (row_sum / grad.shape[-1])
   col = b2 * old.col + (1 - b2) * (col_sum / grad.shape[-2])
   return grad, FactoredMoment(row, col)

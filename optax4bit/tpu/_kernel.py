@@ -31,7 +31,8 @@ and writes the update and the new moments over the inputs they replace
 functions (`optax4bit.quant.maps`, `optax4bit.quant.normalize`, the step of
 `optax4bit._steps`) on the pieces' values: the same codes bit for bit in
 interpret mode. Stochastic rounding hashes each element's flat index in the
-global leaf (``row_bases[r] + c``, `optax4bit.quant.maps.row_hash_bases`).
+global leaf (``row_bases[r] + c``, `optax4bit.quant.maps.row_hash_bases`:
+an operand for a shard, ``r * D`` computed in the kernel for a whole leaf).
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ class Plan:
   side: tuple         # ROW, COL or SLAB per side input
   num_consts: int
   slab_rows: int = 0
+  # Stochastic rounding's row hash bases: an operand (a shard of a leaf, at
+  # its origin in the global leaf), or for a whole leaf ``row * cols``,
+  # computed in the kernel (an XLA fusion per leaf less).
+  row_bases_operand: bool = False
 
   @property
   def grid(self) -> tuple:
@@ -202,7 +207,7 @@ class _Program:
     self.consts = next(it) if plan.num_consts else None
     self.seeds = next(it) if plan.seeded else None
     self.shuffle = next(it)
-    self.row_bases = next(it) if plan.seeded and step_pass else None
+    row_bases_ref = next(it) if plan.seeded and step_pass and plan.row_bases_operand else None
     self.grad = next(it)
     read = range(len(plan.moments)) if step_pass else plan.global_moments
     self.old = {i: tuple(next(it) for _ in range(2 if plan.moments[i].kind == BLOCK else 3))
@@ -211,6 +216,17 @@ class _Program:
     self.new_scales = ({i: (next(it), next(it)) for i in plan.global_moments}
                        if step_pass else {})
     self.out = tuple(it)
+    # uint32 hash bases of the program's rows (BR, 1), read or computed here,
+    # outside the chunk loop (interpret mode lowers no program_id inside it).
+    self.row_bases = None
+    if plan.seeded and step_pass:
+      if row_bases_ref is not None:
+        self.row_bases = self.per_row(row_bases_ref).astype(jnp.uint32)
+      else:  # int32 products wrap as `maps.row_hash_bases`' uint32 ones.
+        pl, _ = _pallas()
+        rows = pl.program_id(0) * plan.block_rows + jax.lax.broadcasted_iota(
+            jnp.int32, (plan.block_rows, 1), 0)
+        self.row_bases = (rows * np.int32(plan.cols)).astype(jnp.uint32)
 
   def spread(self, packed):
     """int32 bytes ``(BR, 128)`` -> the int32 codes of the chunk's two pieces."""
@@ -275,7 +291,7 @@ class _Program:
   def uniform(self, k: int, piece):
     """Stochastic rounding's draws of moment ``k`` for a piece."""
     seed = self.seeds[k].astype(jnp.uint32)
-    bases = self.per_row(self.row_bases).astype(jnp.uint32)
+    bases = self.row_bases
     column = jax.lax.broadcasted_iota(jnp.uint32, (1, PIECE), 1) + \
         (piece * PIECE).astype(jnp.uint32)
     return maps.uniform_of_index(seed, bases + column)
@@ -487,7 +503,7 @@ def _operands(plan: Plan, step_pass: bool, consts, seeds, row_bases, grad, momen
   if plan.seeded:
     ops.add("seeds", seeds, "smem")
   ops.add("shuffle", jnp.asarray(_shuffle_matrices(), jnp.bfloat16), "whole")
-  if plan.seeded and step_pass:
+  if plan.seeded and step_pass and plan.row_bases_operand:
     ops.add("row_bases", per_row_operand(plan, row_bases), "per_row")
   ops.add("grad", grad, "rows")
   for i in (range(len(plan.moments)) if step_pass else plan.global_moments):

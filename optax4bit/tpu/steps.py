@@ -165,8 +165,10 @@ def _local_update(rebuild, context: LeafContext, grad, moments, side, keys, cons
     seeds = jax.lax.bitcast_convert_type(
         jnp.stack([maps.rounding_seed(keys[i]) for i in plan.seeded]), jnp.int32)
     origin, full_shape = _codecs.hash_origin(shape, context)
-    bases = maps.row_hash_bases(shape, origin, full_shape)
-    row_bases = jax.lax.bitcast_convert_type(bases, jnp.int32).reshape(rows, 1)
+    if full_shape is not None:  # a shard: its rows' bases in the global leaf
+      plan = dataclasses.replace(plan, row_bases_operand=True)
+      bases = maps.row_hash_bases(shape, origin, full_shape)
+      row_bases = jax.lax.bitcast_convert_type(bases, jnp.int32).reshape(rows, 1)
   raw = tuple((m.codes.reshape(rows, cols // 2 if m.spec.bits == 4 else cols),
                *_matrix_scales(m, rows, cols)) for m in moments)
   side_arrays = []
