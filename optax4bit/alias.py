@@ -79,11 +79,12 @@ def adam_4bit(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
-      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
-      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
-      `optax4bit.dispatch`).
+    implementation: ``"auto"`` (the platform's engine: the Pallas kernels
+      on a CUDA GPU, the XLA engine on the leaves they decline; the Pallas
+      TPU kernels on a TPU; the C++ kernel of `optax4bit.cpu` on CPUs where
+      it beats the jnp path), ``"jnp"``, ``"xla"``, ``"tpu"``, ``"cpu"``,
+      ``"pallas"``, ``"pallas_interpret"``, ``"tpu_interpret"`` or an
+      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.dispatch`).
     param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
       bfloat16/float16 params are rounded (see `adamw_4bit`).
 
@@ -170,11 +171,12 @@ def adamw_4bit(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` for 4-bit Adam on CPUs where it
-      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
-      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
-      `optax4bit.dispatch`).
+    implementation: ``"auto"`` (the platform's engine: the Pallas kernels
+      on a CUDA GPU, the XLA engine on the leaves they decline; the Pallas
+      TPU kernels on a TPU; the C++ kernel of `optax4bit.cpu` on CPUs where
+      it beats the jnp path), ``"jnp"``, ``"xla"``, ``"tpu"``, ``"cpu"``,
+      ``"pallas"``, ``"pallas_interpret"``, ``"tpu_interpret"`` or an
+      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.dispatch`).
     param_rounding: how new bfloat16/float16 params are rounded:
       ``"stochastic"`` (default) appends `round_params_stochastically`, so
       that updates below half an ulp still move them (on average exactly);
@@ -254,11 +256,12 @@ def adamw_4bit_factor(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` on CPUs where it
-      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
-      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
-      `optax4bit.dispatch`).
+    implementation: ``"auto"`` (the platform's engine: the Pallas kernels
+      on a CUDA GPU, the XLA engine on the leaves they decline; the Pallas
+      TPU kernels on a TPU; the C++ kernel of `optax4bit.cpu` on CPUs where
+      it beats the jnp path), ``"jnp"``, ``"xla"``, ``"tpu"``, ``"cpu"``,
+      ``"pallas"``, ``"pallas_interpret"``, ``"tpu_interpret"`` or an
+      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.dispatch`).
     param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
       bfloat16/float16 params are rounded (see `adamw_4bit`).
 
@@ -331,12 +334,12 @@ def adamw_8bit(
     min_quantize_size: leaves with at most this many elements stay float32.
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` for leaves whose last axis is a
-      multiple of 256 on CPUs where it beats the jnp path (its AVX-512 and
-      AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
-      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
-      `optax4bit.dispatch`).
+    implementation: ``"auto"`` (the platform's engine: the Pallas kernels
+      on a CUDA GPU, the XLA engine on the leaves they decline; the Pallas
+      TPU kernels on a TPU; the C++ kernel of `optax4bit.cpu` on CPUs where
+      it beats the jnp path), ``"jnp"``, ``"xla"``, ``"tpu"``, ``"cpu"``,
+      ``"pallas"``, ``"pallas_interpret"``, ``"tpu_interpret"`` or an
+      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.dispatch`).
     param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
       bfloat16/float16 params are rounded (see `adamw_4bit`).
 
@@ -390,11 +393,12 @@ def sgdm_4bit(
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU, the
-      compiled kernel of `optax4bit.cpu` on CPUs where it
-      beats the jnp path (its AVX-512 and AVX2 builds), jnp elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
-      ``"pallas_interpret"`` or an ``optax4bit.pallas.PallasConfig`` (see
-      `optax4bit.dispatch`).
+    implementation: ``"auto"`` (the platform's engine: the Pallas kernels
+      on a CUDA GPU, the XLA engine on the leaves they decline; the Pallas
+      TPU kernels on a TPU; the C++ kernel of `optax4bit.cpu` on CPUs where
+      it beats the jnp path), ``"jnp"``, ``"xla"``, ``"tpu"``, ``"cpu"``,
+      ``"pallas"``, ``"pallas_interpret"``, ``"tpu_interpret"`` or an
+      ``optax4bit.pallas.PallasConfig`` (see `optax4bit.dispatch`).
     param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how new
       bfloat16/float16 params are rounded (see `adamw_4bit`).
 

@@ -6,7 +6,8 @@ Every optimizer of the library takes ``implementation=``:
 * ``"auto"`` (default): the engine of the platform the update is compiled
   for (`per_platform`; a CPU host compiling for a TPU picks the TPU's):
   on a CUDA GPU the Pallas kernels where they compile (probed on the default
-  device; a GPU the process cannot probe runs the XLA engine); the XLA engine
+  device; a GPU the process cannot probe runs the XLA engine), and the XLA
+  engine on the leaves they decline (8-bit ones included); the XLA engine
   on any other GPU; on the CPU the
   compiled C++ kernels of `optax4bit.cpu` where they are installed and faster
   than the jnp path (their AVX-512 and AVX2 builds; 4-bit AdamW, AdamW with a
@@ -53,6 +54,7 @@ each other.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, NamedTuple, Optional, Protocol, Sequence, TypeVar, Union
 
@@ -71,7 +73,7 @@ from optax4bit.tpu import steps as _tpu_steps
 from optax4bit.xla import codec as _xla_codec
 from optax4bit.xla import steps as _xla_steps
 
-__all__ = ["IMPLEMENTATIONS", "Backend", "FusedSteps", "Implementation", "check_implementation",
+__all__ = ["IMPLEMENTATIONS", "Backend", "FallbackSteps", "FusedSteps", "Implementation", "check_implementation",
            "codecs", "fused_steps", "per_platform", "resolve"]
 
 Implementation = Union[str, PallasConfig]
@@ -96,6 +98,31 @@ class Backend(NamedTuple):
   steps: Optional[FusedSteps] = None
   codecs: Optional[Codecs] = None
   whole_leaves: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackSteps:
+  """Fused steps that run ``first``, and ``then`` on the leaves ``first``
+  declines, with ``then_codecs`` as the leaf's codecs (None: the context's).
+
+  Example:
+    >>> from optax4bit import dispatch
+    >>> steps = dispatch.resolve("auto", platform="cpu").steps
+    >>> dispatch.FallbackSteps(steps, dispatch.resolve("xla").steps).then
+    XlaSteps()
+  """
+  first: FusedSteps
+  then: FusedSteps
+  then_codecs: Optional[Codecs] = None
+
+  def run(self, step: FusedStep, grad, moments: Sequence, side: Sequence = (),
+          keys: Optional[Sequence] = None, *, context: LeafContext = LeafContext()):
+    out = self.first.run(step, grad, moments, side, keys, context=context)
+    if out is not None:
+      return out
+    if self.then_codecs is not None:
+      context = dataclasses.replace(context, codecs=self.then_codecs)
+    return self.then.run(step, grad, moments, side, keys, context=context)
 
 
 def _xla_backend() -> Backend:
@@ -152,7 +179,11 @@ def _auto(platform: str) -> tuple[str, Backend]:
     codecs_ = _cpu_codec if _cpu_codec.available() else None
     return ("cpu" if steps else "jnp, C++ codecs" if codecs_ else "jnp"), Backend(steps, codecs_)
   if platform == "cuda" and _pallas_steps.kernels_run_here():
-    return "pallas", Backend(_pallas_steps.PallasSteps(PallasConfig().options))
+    # Leaves the kernels decline (8-bit, other quantizers or shapes) run the
+    # XLA engine: whole leaves, no loop (the jnp engine's row chunks are a
+    # kernel launch per trip on a GPU).
+    return "pallas", Backend(FallbackSteps(_pallas_steps.PallasSteps(PallasConfig().options),
+                                           _xla_steps.XlaSteps(), _xla_codec))
   if platform in ("cuda", "rocm"):
     return "xla", _xla_backend()
   if platform == "tpu":

@@ -216,15 +216,14 @@ def scale_by_adam_4bit(
       count, so runs are reproducible.
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
-      the compiled kernel of `optax4bit.cpu` for 4-bit and 8-bit Adam, where
-      it is installed and beats the jnp path (its AVX-512 and AVX2 builds);
-      the jnp reference elsewhere), ``"jnp"``, ``"cpu"``, ``"pallas"``,
-      ``"pallas_interpret"`` (the Pallas kernels in interpret mode, any
-      backend) or an ``optax4bit.pallas.PallasConfig``; see
-      `optax4bit.dispatch`. Leaves the kernels do not cover (float32, other
-      quantizers; 8-bit ones on the Pallas kernels, while the C++ kernel runs
-      ``adamw_8bit``'s) use the jnp reference.
+    implementation: ``"auto"`` (the engine of the platform the update is
+      compiled for: on a CUDA GPU the Pallas kernels, and the XLA engine on
+      the leaves they decline; on a TPU the Pallas TPU kernels; on CPU the
+      C++ kernel of `optax4bit.cpu` where it is installed and beats the jnp
+      path), ``"jnp"``, ``"xla"``, ``"tpu"``, ``"cpu"``, ``"pallas"``, the
+      interpret modes ``"pallas_interpret"`` and ``"tpu_interpret"``, or an
+      ``optax4bit.pallas.PallasConfig``; see `optax4bit.dispatch`. Leaves an
+      engine does not cover run the jnp reference.
 
   Returns:
     An ``optax.GradientTransformation`` with `ScaleByAdam4bitState`.
@@ -365,13 +364,14 @@ def scale_by_factored_adam_4bit(
       count, so runs are reproducible.
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
-      the compiled kernel of `optax4bit.cpu`, where it is
-      installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
-      ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
-      interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
-      see `optax4bit.dispatch`. Leaves the kernels do not cover
-      (float32, 8-bit, other quantizers) always use the jnp reference.
+    implementation: ``"auto"`` (the engine of the platform the update is
+      compiled for: on a CUDA GPU the Pallas kernels, and the XLA engine on
+      the leaves they decline; on a TPU the Pallas TPU kernels; on CPU the
+      C++ kernel of `optax4bit.cpu` where it is installed and beats the jnp
+      path), ``"jnp"``, ``"xla"``, ``"tpu"``, ``"cpu"``, ``"pallas"``, the
+      interpret modes ``"pallas_interpret"`` and ``"tpu_interpret"``, or an
+      ``optax4bit.pallas.PallasConfig``; see `optax4bit.dispatch`. Leaves an
+      engine does not cover run the jnp reference.
 
   Returns:
     An ``optax.GradientTransformation`` with `ScaleByFactoredAdam4bitState`.
@@ -489,13 +489,14 @@ def scale_by_momentum_4bit(
       count, so runs are reproducible.
     chunk_size: leaves larger than this many elements are updated in chunks
       of rows, bounding the transient memory of the update (default 2**18).
-    implementation: ``"auto"`` (fused Pallas kernels on a CUDA GPU; on CPU
-      the compiled kernel of `optax4bit.cpu`, where it is
-      installed and beats the jnp path (its AVX-512 and AVX2 builds); the jnp reference elsewhere), ``"jnp"``,
-      ``"cpu"``, ``"pallas"``, ``"pallas_interpret"`` (the Pallas kernels in
-      interpret mode, any backend) or an ``optax4bit.pallas.PallasConfig``;
-      see `optax4bit.dispatch`. Leaves the kernels do not cover
-      (float32, 8-bit, other quantizers) always use the jnp reference.
+    implementation: ``"auto"`` (the engine of the platform the update is
+      compiled for: on a CUDA GPU the Pallas kernels, and the XLA engine on
+      the leaves they decline; on a TPU the Pallas TPU kernels; on CPU the
+      C++ kernel of `optax4bit.cpu` where it is installed and beats the jnp
+      path), ``"jnp"``, ``"xla"``, ``"tpu"``, ``"cpu"``, ``"pallas"``, the
+      interpret modes ``"pallas_interpret"`` and ``"tpu_interpret"``, or an
+      ``optax4bit.pallas.PallasConfig``; see `optax4bit.dispatch`. Leaves an
+      engine does not cover run the jnp reference.
 
   Returns:
     An ``optax.GradientTransformation`` with `ScaleByMomentum4bitState`.

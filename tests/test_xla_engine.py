@@ -127,6 +127,31 @@ def test_auto_runs_the_xla_engine_on_gpus_without_pallas_and_not_on_tpus(monkeyp
   assert not dispatch.resolve("auto", "cpu").whole_leaves
 
 
+def test_auto_runs_the_leaves_pallas_declines_in_the_xla_engine(monkeypatch):
+  """On a GPU with the Pallas kernels, a leaf they decline (8-bit here) runs
+  the XLA engine, with its codecs: the XLA engine's codes and update, not
+  None (which would send it to the jnp engine's row loops)."""
+  from optax4bit.pallas import steps as pallas_steps  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(pallas_steps, "kernels_run_here", lambda: True)
+  steps = dispatch.resolve("auto", "gpu").steps
+  assert isinstance(steps, dispatch.FallbackSteps)
+  assert isinstance(steps.first, pallas_steps.PallasSteps)
+  assert steps.then == dispatch.resolve("xla").steps and steps.then_codecs is xla_codec
+  interpret = dispatch.FallbackSteps(dispatch.resolve("pallas_interpret").steps, steps.then,
+                                     steps.then_codecs)
+  step = FusedStep.adam(0.9, 0.999, 1e-8, 0.0, jnp.int32(1), False)
+  grad = jax.random.normal(jax.random.key(0), (64, 512))
+  for spec in (QuantSpec.parse("B256/DE", bits=8), QuantSpec.parse("B128/DE")):
+    moments = (qarray.zeros((64, 512), jnp.float32, spec),
+               qarray.zeros((64, 512), jnp.float32, QuantSpec.parse("Rank-1/Linear",
+                                                                    bits=spec.bits)))
+    expected = (dispatch.resolve("xla") if spec.bits == 8 else
+                dispatch.resolve("pallas_interpret")).steps.run(step, grad, moments)
+    if spec.bits == 8:  # the Pallas kernels decline it
+      assert dispatch.resolve("pallas_interpret").steps.run(step, grad, moments) is None
+    chex.assert_trees_all_equal(interpret.run(step, grad, moments), expected)
+
+
 
 
 @pytest.mark.slow  # CI's time (16 s): the XLA engine runs only on GPUs without the Pallas kernels
