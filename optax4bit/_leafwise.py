@@ -36,7 +36,6 @@ from optax4bit import _shard_map
 from optax4bit import _state_sharding as _placement
 from optax4bit._leaf_context import LeafContext
 from optax4bit._validation import DEFAULT_CHUNK_SIZE
-from optax4bit.quant import array as qarray
 from optax4bit.quant import normalize
 from optax4bit.quant.array import QuantizedArray
 
@@ -478,7 +477,26 @@ def _apply_pass(leaf: _LeafBuffers, sched: _Schedule, grad_buf, bufs, new_global
 
 def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, context: LeafContext):
   """`update_leaf` in chunks of ``rows`` rows: `_stats_pass` if a moment has
-  rank-1 or tensor scales, then `_apply_pass`."""
+  rank-1 or tensor scales, then `_apply_pass`. A whole leaf runs `jax.jit`ted
+  on its step's rebuild, codecs and chunking, so that leaves of one shape (a
+  model's layers) trace once: the jnp engine is also the branch an
+  accelerator host traces for its CPU (`dispatch.per_platform`)."""
+  if context.shard is not None:
+    return _chunked_passes(step_fn, grad, moments, side, keys, plans, rows, context)
+  rebuild, consts = _shard_map.hoist_partial(step_fn)
+  zero = context.row_offset  # the Python 0 stays static
+  return _chunked_once(rebuild, rows, context.codecs, isinstance(zero, int), grad, moments,
+                       side, keys, consts, zero if not isinstance(zero, int) else None)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _chunked_once(rebuild, rows, codecs, first, grad, moments, side, keys, consts, zero):
+  return _chunked_passes(rebuild(consts), grad, moments, side, keys,
+                         tuple(_plan(m) for m in moments), rows,
+                         LeafContext(codecs, 0 if first else zero))
+
+
+def _chunked_passes(step_fn, grad, moments, side, keys, plans, rows, context: LeafContext):
   leaf = _LeafBuffers(step_fn, moments, plans, side, grad.shape[0], grad.shape[1:], context)
   sched = _schedule(grad.shape[0], rows, _chunk_rows(grad.shape, plans, 0), context.row_offset)
   bufs = tuple((m.codes, m.scales) if p.quantized else m for m, p in zip(moments, plans))
@@ -502,54 +520,6 @@ def _update_leaf_chunked(step_fn, grad, moments, side, keys, plans, rows, contex
   return update_buf, tuple(new_moments)
 
 
-def stored_value(x: jax.Array) -> jax.Array:
-  """A scalar that XLA can only compute once ``x`` exists: its first element,
-  or under explicit sharding (which forbids picking one element of a sharded
-  axis) and on ``Auto`` mesh axes (where the flattening reshape would gather
-  a split array) its maximum, a scalar all-reduce."""
-  if _placement.may_be_split(x):
-    return jnp.max(x)
-  return x.reshape(-1)[0]
-
-
-def _zero_after(result):
-  """An int32 0 that XLA cannot compute before the leaf step that returned
-  ``result = (update, stored)`` has finished: the sign bit of a stored value
-  shifted out (``(u >> 31) >> 1``, which XLA does not fold). A Python 0
-  outside ``jit`` (nothing to schedule) or when there is nothing to wait for.
-
-  The values are read from what the step writes last and nothing changes
-  afterwards: the codes of every quantized moment in ``stored``, and
-  block-wise scales (rank-1 and tensor scales come from the first pass).
-  Reading the update instead (only when nothing is quantized) keeps it alive
-  past the caller's in-place transforms of it (weight decay, learning rate),
-  and XLA then copies the gradient under it first."""
-  update, stored = result
-  written_last = []
-  for moment in jax.tree.leaves(stored, is_leaf=qarray.is_quantized):
-    if isinstance(moment, QuantizedArray):
-      written_last.append(moment.codes)
-      if not _plan(moment).needs_second_pass:
-        written_last.extend(moment.scales)
-  candidates = [x for x in written_last or ([] if update is None else [update]) if x.size]
-  if not candidates or not isinstance(candidates[0], jax.core.Tracer):
-    return 0
-  if _placement.may_be_split(candidates[0]):
-    candidates = [min(candidates, key=lambda x: x.size)]  # the cheapest to reduce
-  else:
-    # One element of each array: moments encoded by separate computations
-    # (quantize_state's whole-leaf path) all finish before the next leaf.
-    candidates = [x for x in candidates if x.dtype == jnp.uint8] or candidates[:1]
-  zero = None
-  for x in candidates:
-    value = jnp.real(stored_value(x)).astype(jnp.float32)
-    word = jax.lax.bitcast_convert_type(value, jnp.uint32)
-    bit = jax.lax.shift_right_logical(
-        jax.lax.shift_right_logical(word, np.uint32(31)), np.uint32(1)).astype(jnp.int32)
-    zero = bit if zero is None else zero | bit
-  return zero
-
-
 def sequential_map(fn: Callable, *leaf_lists: Sequence, codecs=None) -> list:
   """``[fn(context, *args) for args in zip(*leaf_lists)]``, run by XLA one
   call after another so that their temporaries never coexist; ``fn`` returns
@@ -561,7 +531,7 @@ def sequential_map(fn: Callable, *leaf_lists: Sequence, codecs=None) -> list:
   This is the one mechanism that orders leaves. XLA's scheduler ignores
   ``optimization_barrier`` orderings here (XLA:CPU drops them before
   scheduling), so call ``i + 1`` runs with a runtime zero derived from call
-  ``i``'s stored codes (`_zero_after`): `update_leaf` adds it to every row
+  ``i``'s stored codes (`optax4bit._order.zero_after`): `update_leaf` adds it to every row
   offset it slices at, and `after_previous_leaf` subtracts it from whole
   inputs. Either is a data dependence that keeps call ``i + 1`` after call
   ``i``. A call that runs per shard (``shard_map``, or ``custom_partitioning``
@@ -575,8 +545,8 @@ def sequential_map(fn: Callable, *leaf_lists: Sequence, codecs=None) -> list:
     zero = 0
     if results:
       zero = functools.reduce(jnp.bitwise_or, local_zeros) if local_zeros else (
-          _zero_after(results[-1]))
-    ordering = _order.Ordering(_zero_after, [])
+          _order.zero_after(results[-1]))
+    ordering = _order.Ordering(_order.zero_after, [])
     results.append(fn(LeafContext(codecs, zero, ordering), *args))
     local_zeros = ordering.zeros
   return results

@@ -57,7 +57,7 @@ class _Rebuild:
   """``rebuild(consts)``: the partial with its array arguments replaced.
   Rebuilds of the same function with the same static arguments are equal and
   hash alike, so that a kernel traced for one leaf is reused for the next
-  leaf of the same shape (`jax.jit`'s cache, `optax4bit.tpu._kernel`)."""
+  leaf of the same shape (`jax.jit`'s cache, `optax4bit.tpu._launch`)."""
 
   def __init__(self, func, treedef, leaves, dynamic):
     self._func, self._treedef, self._dynamic = func, treedef, tuple(dynamic)

@@ -173,7 +173,7 @@ def test_block_rows():
 def test_shuffle_matrices_spread_and_gather_every_byte():
   """The MXU products of the kernels, in float32 numpy: every byte value at
   every lane spreads to its two nibbles and gathers back."""
-  matrices = _kernel._shuffle_matrices()  # pylint: disable=protected-access
+  matrices = _kernel.shuffle_matrices()  # pylint: disable=protected-access
   assert set(np.unique(matrices)) == {0.0, 1.0, 16.0}
   packed = np.arange(128 * 256).reshape(256, 128) % 256
   spread = [packed @ matrices[:, p * 128:(p + 1) * 128] for p in range(2)]

@@ -6,7 +6,7 @@ scales, and whose
 last axis is a multiple of 256 (at most 8192; with more than two axes the
 second-to-last a multiple of 32): viewed as a matrix ``(rows, last axis)``,
 a stats pass where a moment has rank-1 scales, then one step pass
-(`optax4bit.tpu._kernel`). A leaf with only plain (not quantized) moments
+(`optax4bit.tpu._kernel`, launched by `optax4bit.tpu._launch`). A leaf with only plain (not quantized) moments
 runs as whole-leaf XLA ops. Every other leaf is declined (None) and runs the
 jnp engine. Codes are the jnp engine's bit for bit (in interpret mode, where
 the arithmetic is XLA's CPU arithmetic), updates equal it to float32
@@ -33,6 +33,7 @@ from optax4bit._steps import FusedStep
 from optax4bit.quant import maps, normalize
 from optax4bit.quant.array import QuantizedArray
 from optax4bit.tpu import _kernel
+from optax4bit.tpu import _launch
 
 __all__ = ["TpuSteps"]
 
@@ -185,7 +186,7 @@ def _local_update(rebuild, context: LeafContext, grad, moments, side, keys, cons
   matrix = grad.reshape(rows, cols)
   new_scales, kernel_scales = {}, {}
   if plan.global_moments:
-    maxima = _kernel.maxima(plan, rebuild, consts_vector, seeds, matrix, raw, side_arrays,
+    maxima = _launch.maxima(plan, rebuild, consts_vector, seeds, matrix, raw, side_arrays,
                             interpret)
     for i, (row_max, col_max) in maxima.items():
       new_scales[i] = _rank1_scales(row_max, col_max, moments[i], context)
@@ -194,7 +195,7 @@ def _local_update(rebuild, context: LeafContext, grad, moments, side, keys, cons
         lead_inverse = jnp.maximum(lead_inverse, normalize.inverse_times_4(s))
       lead_inverse = jnp.broadcast_to(lead_inverse, shape[:-1] + (1,)).reshape(rows, 1)
       kernel_scales[i] = (lead_inverse, new_scales[i][-1].reshape(1, cols))
-  update, new_raw = _kernel.step(plan, rebuild, consts_vector, seeds, row_bases, matrix, raw,
+  update, new_raw = _launch.step(plan, rebuild, consts_vector, seeds, row_bases, matrix, raw,
                                  side_arrays, kernel_scales, interpret)
   new_moments = []
   for i, (r, m) in enumerate(zip(new_raw, moments)):
