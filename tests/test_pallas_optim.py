@@ -429,7 +429,9 @@ def test_auto_runs_the_xla_engine_where_the_kernels_do_not_compile(monkeypatch, 
     assert dispatch.resolve("pallas", "gpu").steps is not None  # explicit choices: no probe
     monkeypatch.setattr(pallas_steps, "_compute_capability", lambda: "mock 9.0")
     monkeypatch.setattr(pallas_steps, "_compile_probe", lambda: probes.append("ok"))
-    assert dispatch.resolve("auto", "gpu").steps.options == PallasConfig().options
+    steps = dispatch.resolve("auto", "gpu").steps  # the kernels, then the XLA engine
+    assert steps.first.options == PallasConfig().options
+    assert steps.then == dispatch.resolve("xla").steps
     assert probes == ["fail", "ok"]
   finally:
     pallas_steps._kernels_compile.cache_clear()
