@@ -40,6 +40,27 @@ def _chunk_maxima(abs_x: jax.Array, chunk: int) -> jax.Array:
   return normalize.compute_scales(abs_x, normalize.Layout("block", chunk, 1))[0]
 
 
+# Rows per partial maximum of `_column_maxima`'s first stage.
+_ROWS_PER_PARTIAL = 32
+
+
+def _column_maxima(abs_x: jax.Array) -> jax.Array:
+  """Maxima of ``abs_x`` (non-negative) over all axes but the last (kept as
+  size 1), in two stages: over groups of `_ROWS_PER_PARTIAL` rows (zero rows
+  pad the last group), then over the groups. XLA:GPU fuses the recomputed
+  step into a reduction over a middle axis, but not into one over the
+  leading axis, for which it stored the float32 moment; the barrier keeps it
+  from merging the stages back. Exact: a maximum in any order."""
+  length = abs_x.shape[-1]
+  rows = abs_x.reshape(-1, length)
+  groups = -(-rows.shape[0] // _ROWS_PER_PARTIAL)
+  if groups > 1:
+    rows = jnp.pad(rows, [(0, groups * _ROWS_PER_PARTIAL - rows.shape[0]), (0, 0)])
+    rows = jax.lax.optimization_barrier(
+        jnp.max(rows.reshape(groups, _ROWS_PER_PARTIAL, length), axis=1))
+  return jnp.max(rows, axis=0).reshape((1,) * (abs_x.ndim - 1) + (length,))
+
+
 def _new_scales(step, inputs: tuple, moments: tuple, context: LeafContext) -> tuple:
   """The scales every quantized new moment is encoded with (None for a
   plain one): its block, rank-1 or tensor maxima, the global leaf's in a
@@ -84,8 +105,7 @@ def _new_scales(step, inputs: tuple, moments: tuple, context: LeafContext) -> tu
       scales = []
       for shape in normalize.scale_shapes(layout, moment.shape):
         if layout.normalization == "rank1" and shape[-1] > 1:  # the last axis's maxima
-          whole = recomputed("columns", i)
-          scales.append(jnp.max(whole, axis=tuple(range(whole.ndim - 1)), keepdims=True))
+          scales.append(_column_maxima(recomputed("columns", i)))
         else:
           reduced = tuple(k for k, n in enumerate(shape[:-1]) if n == 1) + (partial.ndim - 1,)
           scales.append(jnp.max(partial, axis=reduced, keepdims=True))
