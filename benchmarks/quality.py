@@ -68,9 +68,10 @@ Problems (CPU, jitted, no downloads):
 ``adamw_4bit_m_stall`` and ``adamw_4bit_mv_stall`` round m, or m and v, with the
 library's ``QuantSpec(stochastic=True, stall_only=True)``, skipped where it has none),
 ``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`), ``adamw_4bit_factor_largest2``
-(4-bit Factor over the two largest axes of 3-D leaves, `factored_over_two_largest_axes`)
-and rounding rules the
-library does not have, simulated in float32 (`SIMULATED_VARIANTS`,
+(4-bit Factor over the two largest axes of 3-D leaves, `factored_over_two_largest_axes`),
+``adamw_4bit_factor_embeddings_unfactored`` (4-bit Factor with the rank-1 4-bit `v` of the
+default on ``nnx.Embed`` tables, `embedding_labels`) and rounding rules the library does not
+have, simulated in float32 (`SIMULATED_VARIANTS`,
 `scale_by_adam_simulated_4bit`: the same 4-bit values, not the bytes); ``--diagnose``
 reports `optax4bit.diagnostics`' update-direction error of the chosen LMs.
 
@@ -234,8 +235,13 @@ SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
 # kernels (d, heads, head_dim) then factor (d, head_dim) per head);
 # `factored_over_two_largest_axes`.
 FACTOR_LARGEST2 = "adamw_4bit_factor_largest2"
+# Issue 50, item 4: 4-bit Factor with the embedding tables' second moments
+# not factored (the default's rank-1 4-bit `v` there): whether factoring the
+# tables is what costs Factor on stdlib 3 x 192.
+FACTOR_EMBEDDINGS_UNFACTORED = "adamw_4bit_factor_embeddings_unfactored"
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
-VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS) + (FACTOR_FP32, FACTOR_LARGEST2)
+VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS)
+            + (FACTOR_FP32, FACTOR_LARGEST2, FACTOR_EMBEDDINGS_UNFACTORED)
             + tuple(SIMULATED_VARIANTS) + tuple(STEP_SCALED_VARIANTS))
 
 
@@ -266,8 +272,8 @@ def variant_unavailable(variant: str) -> Optional[str]:
         "stall_only" not in inspect.signature(optax4bit.QuantSpec.parse).parameters:
       return "optax4bit.QuantSpec has no stall_only rounding"
     return None
-  if variant in (REFERENCE, FACTOR_FP32, FACTOR_LARGEST2) or variant in SIMULATED_VARIANTS \
-      or variant in STEP_SCALED_VARIANTS:
+  if variant in (REFERENCE, FACTOR_FP32, FACTOR_LARGEST2, FACTOR_EMBEDDINGS_UNFACTORED) \
+      or variant in SIMULATED_VARIANTS or variant in STEP_SCALED_VARIANTS:
     return None
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if recipe is not None and not _accepts(getattr(optax4bit, builder), "recipe"):
@@ -304,6 +310,10 @@ def variant_quantizers(variant: str) -> dict:
     quantizers = variant_quantizers("adamw_4bit_factor")
     return {**quantizers, "second_moment": quantizers["second_moment"].replace(
         "Factor (ndim >= 2)", "Factor (ndim >= 2; 3-D over the two largest axes)")}
+  if variant == FACTOR_EMBEDDINGS_UNFACTORED:
+    quantizers = variant_quantizers("adamw_4bit_factor")
+    return {**quantizers, "second_moment": quantizers["second_moment"].replace(
+        "Factor (ndim >= 2)", "Factor (ndim >= 2, not the embedding tables)")}
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if builder == "adamw_8bit":
     return {"first_moment": spec_key(optax4bit.alias.EIGHT_BIT_FIRST_MOMENT),
@@ -367,6 +377,15 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
     tx = factored_over_two_largest_axes(optax4bit.adamw_4bit_factor(
         lr, weight_decay=t.weight_decay, mask=mask, min_quantize_size=t.min_quantize_size,
         seed=seed))
+  elif variant == FACTOR_EMBEDDINGS_UNFACTORED:
+    quantized = {"min_quantize_size": t.min_quantize_size, "seed": seed}
+    tx = optax.chain(
+        optax.multi_transform(
+            {"factored": optax4bit.transform.scale_by_factored_adam_4bit(**quantized),
+             "embedding": optax4bit.transform.scale_by_adam_4bit(**quantized)},
+            embedding_labels),
+        optax.add_decayed_weights(t.weight_decay, mask),
+        optax.scale_by_learning_rate(lr))
   else:
     builder_name, recipe = QUANTIZED_VARIANTS.get(variant, ("adamw_4bit", None))
     builder = getattr(optax4bit, builder_name)
@@ -382,6 +401,15 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
   if t.clip_norm:
     tx = optax.chain(optax.clip_by_global_norm(t.clip_norm), tx)
   return tx
+
+
+def embedding_labels(params):
+  """``"embedding"`` for the leaves of ``nnx.Embed`` tables (under an
+  ``embed`` or ``pos`` attribute), ``"factored"`` for the others."""
+  def label(path, _):
+    names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
+    return "embedding" if names & {"embed", "pos"} else "factored"
+  return jax.tree_util.tree_map_with_path(label, params)
 
 
 def _largest_axes_last(shape: tuple) -> Optional[tuple]:

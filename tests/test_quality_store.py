@@ -140,3 +140,27 @@ def test_factoring_over_the_two_largest_axes_transposes_3d_leaves_only(quality):
   factored = tx.init(params)
   rows = [x.shape for x in jax.tree.leaves(factored) if getattr(x, "shape", ()) == (4, 192, 1)]
   assert rows, "the q/k/v-like kernel is not factored over (192, 48)"
+
+
+def test_factor_with_embeddings_unfactored_keeps_their_second_moment_rank1(quality):
+  """The screening variant of issue 50: nnx.Embed tables (``embed``, ``pos``)
+  get the default's rank-1 4-bit `v`, every other matrix Factor's factors."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from optax4bit.quant.array import QuantizedArray  # pylint: disable=import-outside-toplevel
+  params = {"embed": {"embedding": jnp.zeros((256, 192))},
+            "pos": {"embedding": jnp.zeros((128, 192))},
+            "blocks": {"fc1": {"kernel": jnp.zeros((192, 768))}}}
+  assert quality.embedding_labels(params) == {
+      "embed": {"embedding": "embedding"}, "pos": {"embedding": "embedding"},
+      "blocks": {"fc1": {"kernel": "factored"}}}
+  tx = quality.make_optimizer(quality.FACTOR_EMBEDDINGS_UNFACTORED,
+                              quality.Training(steps=10, learning_rate=1e-3), 0)
+  state = tx.init(params)
+  rank1 = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QuantizedArray))
+           if isinstance(x, QuantizedArray) and x.spec.normalization == "rank1"]
+  assert sorted(x.shape for x in rank1) == [(128, 192), (256, 192)]
+  factors = [x.shape for x in jax.tree.leaves(state) if getattr(x, "shape", ()) == (192, 1)]
+  assert factors, "the MLP kernel's second moment is not factored"
+  updates, _ = tx.update(params, state, params)
+  assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, params)
