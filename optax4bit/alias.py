@@ -229,6 +229,7 @@ def adamw_4bit_factor(
     second_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
+    factor_mask: MaskOrFn = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
     implementation: Implementation = "auto",
@@ -238,7 +239,8 @@ def adamw_4bit_factor(
 
   About 0.5 byte per parameter of state. The second moment of every quantized
   tensor with ndim >= 2 is kept as Adafactor row and column factors (see
-  `scale_by_factored_adam_4bit`); 1-D tensors store it ``second_moment``.
+  `scale_by_factored_adam_4bit`); 1-D tensors, and those ``factor_mask``
+  leaves unfactored, store it with ``second_moment``.
 
   Args:
     learning_rate: a float or an ``optax`` schedule.
@@ -250,10 +252,15 @@ def adamw_4bit_factor(
     mask: which leaves get weight decay (as in ``optax.adamw``).
     recipe: ``"default"`` or ``"paper"`` (see `optax4bit.recipes`).
     first_moment: quantizer of the first moment, overriding the recipe's.
-    second_moment: quantizer of the second moment of 1-D tensors, overriding
-      the recipe's.
+    second_moment: quantizer of the second moment of 1-D tensors (and of those
+      ``factor_mask`` leaves unfactored), overriding the recipe's.
     min_quantize_size: leaves with at most this many elements stay float32.
     quantize_mask: pytree of bools or callable; ``False`` leaves stay float32.
+    factor_mask: pytree of bools or callable; ``False`` leaves keep a rank-1
+      4-bit second moment (0.5 byte per parameter more) instead of factors.
+      Factoring attention's matrices is what costs Factor on byte LMs (see
+      the README's "Which recipe"); None factors every tensor of two or more
+      axes.
     seed: seed of stochastic rounding.
     chunk_size: elements per chunk of the update (bounds transient memory).
     implementation: ``"auto"`` (the platform's engine: the Pallas kernels
@@ -281,7 +288,8 @@ def adamw_4bit_factor(
       transform.scale_by_factored_adam_4bit(
           b1, b2, eps, eps_root, recipe=recipe, first_moment=first_moment,
           second_moment=second_moment,
-          min_quantize_size=min_quantize_size, quantize_mask=quantize_mask, seed=seed,
+          min_quantize_size=min_quantize_size, quantize_mask=quantize_mask,
+          factor_mask=factor_mask, seed=seed,
           chunk_size=chunk_size, implementation=implementation),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

@@ -326,6 +326,7 @@ def scale_by_factored_adam_4bit(
     second_moment: Optional[SpecLike] = None,
     min_quantize_size: int = DEFAULT_MIN_QUANTIZE_SIZE,
     quantize_mask: MaskOrFn = None,
+    factor_mask: MaskOrFn = None,
     seed: int = 0,
     chunk_size: Optional[int] = None,
     implementation: _dispatch.Implementation = "auto",
@@ -336,17 +337,18 @@ def scale_by_factored_adam_4bit(
   moment is Adafactor-style: EMAs of the row means and column means of
   ``g**2`` over the last two axes (a `FactoredMoment`, float32, a few bytes
   per row and column), rebuilt as ``outer(row, col) / mean(row)`` (0 where
-  the row factors are all 0). Quantized 1-D leaves store the second moment
-  with ``second_moment``; leaves kept in full precision have float32 ``mu``
-  and ``nu`` and follow Adam exactly.
+  the row factors are all 0). Quantized 1-D leaves, and those ``factor_mask``
+  leaves unfactored, store the second moment with ``second_moment``; leaves
+  kept in full precision have float32 ``mu`` and ``nu`` and follow Adam
+  exactly.
 
   Args:
     b1: decay rate of the first moment.
     b2: decay rate of the second moment (and of its factors).
     eps: term added to the denominator outside the square root.
     eps_root: term added to the second moment inside the square root.
-    second_moment: quantizer of the second moment of 1-D leaves, overriding
-      the recipe's.
+    second_moment: quantizer of the second moment of 1-D leaves (and of the
+      leaves ``factor_mask`` leaves unfactored), overriding the recipe's.
     recipe: ``"default"`` (first moment ``B128/NF``, second moment
       ``Rank-1/SqrtLinear``, the first rounded stochastically where nearest
       rounding would keep its stored code, the second stochastically) or
@@ -359,6 +361,11 @@ def scale_by_factored_adam_4bit(
     quantize_mask: a pytree of bools like the params (or a prefix of it), or a
       callable of the params returning one; ``False`` leaves keep float32
       moments (e.g. embeddings or norms).
+    factor_mask: like ``quantize_mask``: ``False`` quantized leaves of two
+      or more axes keep their second moment quantized with ``second_moment``
+      (rank-1 4-bit, as `scale_by_adam_4bit`'s) instead of factored. Factoring
+      attention's matrices cost a byte LM 1.6% of validation loss, the MLP's
+      nothing (benchmarks/RESULTS.md); None factors every such leaf.
     seed: seeds stochastic rounding (only used if a spec has
       ``stochastic=True``); the key of a step is derived from it and the step
       count, so runs are reproducible.
@@ -392,12 +399,13 @@ def scale_by_factored_adam_4bit(
 
   def init_fn(params):
     flags = _validation.resolve_mask(quantize_mask, params, "quantize_mask")
+    factored = _validation.resolve_mask(factor_mask, params, "factor_mask")
     leaves, treedef = _flatten_params(params)
     mu, nu = [], []
-    for p, flag in zip(leaves, flags):
+    for p, flag, factor in zip(leaves, flags, factored):
       quantized = _validation.quantizable(p, flag, min_quantize_size)
       mu.append(_zeros_moment(p, m_spec if quantized else None))
-      if quantized and len(p.shape) >= 2:
+      if quantized and factor and len(p.shape) >= 2:
         nu.append(_state_sharding.follow_param(p, functools.partial(_zeros_factored, p.shape)))
       else:
         nu.append(_zeros_moment(p, v_spec if quantized else None, real=True))

@@ -293,3 +293,32 @@ def test_donated_update_copies_no_gradient(name, make):
   compiled = jax.jit(tx.update, donate_argnums=(0, 1)).lower(params, state, params).compile()
   smallest_matrix = 256 * 768 * 4
   assert compiled.memory_analysis().temp_size_in_bytes < smallest_matrix / 2, name
+
+
+def test_factor_mask_keeps_unfactored_leaves_as_adamw_4bit_does():
+  """``factor_mask=False`` leaves of Factor store a rank-1 4-bit second moment
+  and take `adamw_4bit`'s step bit for bit (the same recipe, keys and kernel);
+  the others keep Adafactor factors."""
+  params = {"attn": jax.random.normal(jax.random.key(0), (64, 192)),
+            "mlp": jax.random.normal(jax.random.key(1), (192, 64))}
+  mask = {"attn": False, "mlp": True}
+  factor = optax4bit.adamw_4bit_factor(1e-2, min_quantize_size=0, factor_mask=mask)
+  adamw = optax4bit.adamw_4bit(1e-2, min_quantize_size=0)
+  state, reference = factor.init(params), adamw.init(params)
+  nu = state[0].nu
+  assert isinstance(nu["attn"], optax4bit.QuantizedArray)
+  assert nu["attn"].spec.normalization == "rank1"
+  assert isinstance(nu["mlp"], optax4bit.transform.FactoredMoment)
+  # Factoring saves the mlp leaf's 4-bit codes (half a byte per element); its
+  # factors are the size of the rank-1 scales they replace.
+  saved = optax4bit.state_nbytes(reference) - optax4bit.state_nbytes(state)
+  assert abs(saved - params["mlp"].size / 2) <= 0.05 * params["mlp"].size, saved
+  update, reference_update = jax.jit(factor.update), jax.jit(adamw.update)
+  for t in range(3):
+    grads = jax.tree.map(lambda p, t=t: jnp.sin(3.0 * p + t), params)
+    updates, state = update(grads, state, params)
+    expected, reference = reference_update(grads, reference, params)
+    np.testing.assert_array_equal(updates["attn"], expected["attn"])
+    np.testing.assert_array_equal(state[0].nu["attn"].codes, reference[0].nu["attn"].codes)
+  with pytest.raises(ValueError, match="factor_mask"):
+    optax4bit.adamw_4bit_factor(1e-2, factor_mask={"attn": False}).init(params)
