@@ -69,9 +69,9 @@ Problems (CPU, jitted, no downloads):
 library's ``QuantSpec(stochastic=True, stall_only=True)``, skipped where it has none),
 ``adamw_factor_fp32`` (`scale_by_factored_adam_fp32`), ``adamw_4bit_factor_largest2``
 (4-bit Factor over the two largest axes of 3-D leaves, `factored_over_two_largest_axes`),
-``adamw_4bit_factor_embeddings_unfactored`` (4-bit Factor with the rank-1 4-bit `v` of the
-default on ``nnx.Embed`` tables, `embedding_labels`) and rounding rules the library does not
-have, simulated in float32 (`SIMULATED_VARIANTS`,
+``adamw_4bit_factor_embeddings_unfactored`` and ``..._attention_unfactored`` (4-bit Factor
+with the default's rank-1 4-bit `v` on the ``nnx.Embed`` tables or the attention's matrices,
+the library's ``factor_mask``, `PARTLY_FACTORED_VARIANTS`) and rounding rules the library does not have, simulated in float32 (`SIMULATED_VARIANTS`,
 `scale_by_adam_simulated_4bit`: the same 4-bit values, not the bytes); ``--diagnose``
 reports `optax4bit.diagnostics`' update-direction error of the chosen LMs.
 
@@ -126,6 +126,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import inspect
 import json
 import math
@@ -235,13 +236,15 @@ SIMULATED_VARIANTS = {"sim_4bit_m_sr": ("sr", "Rank-1/SqrtDE-0"),
 # kernels (d, heads, head_dim) then factor (d, head_dim) per head);
 # `factored_over_two_largest_axes`.
 FACTOR_LARGEST2 = "adamw_4bit_factor_largest2"
-# Issue 50, item 4: 4-bit Factor with the embedding tables' second moments
-# not factored (the default's rank-1 4-bit `v` there): whether factoring the
-# tables is what costs Factor on stdlib 3 x 192.
-FACTOR_EMBEDDINGS_UNFACTORED = "adamw_4bit_factor_embeddings_unfactored"
+# Issue 50, item 4: 4-bit Factor with the second moments of some leaves not
+# factored (the default's rank-1 4-bit `v` there): whether factoring those is
+# what costs Factor on stdlib 3 x 192. variant -> the attribute names (any
+# level of a leaf's path) of the unfactored leaves.
+PARTLY_FACTORED_VARIANTS = {"adamw_4bit_factor_embeddings_unfactored": ("embed", "pos"),
+                            "adamw_4bit_factor_attention_unfactored": ("attn",)}
 DEFAULT_VARIANTS = (REFERENCE,) + tuple(QUANTIZED_VARIANTS)
 VARIANTS = (DEFAULT_VARIANTS + tuple(CANDIDATE_VARIANTS)
-            + (FACTOR_FP32, FACTOR_LARGEST2, FACTOR_EMBEDDINGS_UNFACTORED)
+            + (FACTOR_FP32, FACTOR_LARGEST2) + tuple(PARTLY_FACTORED_VARIANTS)
             + tuple(SIMULATED_VARIANTS) + tuple(STEP_SCALED_VARIANTS))
 
 
@@ -272,8 +275,8 @@ def variant_unavailable(variant: str) -> Optional[str]:
         "stall_only" not in inspect.signature(optax4bit.QuantSpec.parse).parameters:
       return "optax4bit.QuantSpec has no stall_only rounding"
     return None
-  if variant in (REFERENCE, FACTOR_FP32, FACTOR_LARGEST2, FACTOR_EMBEDDINGS_UNFACTORED) \
-      or variant in SIMULATED_VARIANTS or variant in STEP_SCALED_VARIANTS:
+  if variant in (REFERENCE, FACTOR_FP32, FACTOR_LARGEST2) or variant in SIMULATED_VARIANTS \
+      or variant in STEP_SCALED_VARIANTS or variant in PARTLY_FACTORED_VARIANTS:
     return None
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if recipe is not None and not _accepts(getattr(optax4bit, builder), "recipe"):
@@ -310,10 +313,11 @@ def variant_quantizers(variant: str) -> dict:
     quantizers = variant_quantizers("adamw_4bit_factor")
     return {**quantizers, "second_moment": quantizers["second_moment"].replace(
         "Factor (ndim >= 2)", "Factor (ndim >= 2; 3-D over the two largest axes)")}
-  if variant == FACTOR_EMBEDDINGS_UNFACTORED:
+  if variant in PARTLY_FACTORED_VARIANTS:
     quantizers = variant_quantizers("adamw_4bit_factor")
+    names = "/".join(PARTLY_FACTORED_VARIANTS[variant])
     return {**quantizers, "second_moment": quantizers["second_moment"].replace(
-        "Factor (ndim >= 2)", "Factor (ndim >= 2, not the embedding tables)")}
+        "Factor (ndim >= 2)", f"Factor (ndim >= 2; factor_mask: rank-1 under {names})")}
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if builder == "adamw_8bit":
     return {"first_moment": spec_key(optax4bit.alias.EIGHT_BIT_FIRST_MOMENT),
@@ -377,15 +381,11 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
     tx = factored_over_two_largest_axes(optax4bit.adamw_4bit_factor(
         lr, weight_decay=t.weight_decay, mask=mask, min_quantize_size=t.min_quantize_size,
         seed=seed))
-  elif variant == FACTOR_EMBEDDINGS_UNFACTORED:
-    quantized = {"min_quantize_size": t.min_quantize_size, "seed": seed}
-    tx = optax.chain(
-        optax.multi_transform(
-            {"factored": optax4bit.transform.scale_by_factored_adam_4bit(**quantized),
-             "embedding": optax4bit.transform.scale_by_adam_4bit(**quantized)},
-            embedding_labels),
-        optax.add_decayed_weights(t.weight_decay, mask),
-        optax.scale_by_learning_rate(lr))
+  elif variant in PARTLY_FACTORED_VARIANTS:
+    tx = optax4bit.adamw_4bit_factor(
+        lr, weight_decay=t.weight_decay, mask=mask, min_quantize_size=t.min_quantize_size,
+        seed=seed, factor_mask=functools.partial(factored_leaves,
+                                                 unfactored=PARTLY_FACTORED_VARIANTS[variant]))
   else:
     builder_name, recipe = QUANTIZED_VARIANTS.get(variant, ("adamw_4bit", None))
     builder = getattr(optax4bit, builder_name)
@@ -403,13 +403,13 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
   return tx
 
 
-def embedding_labels(params):
-  """``"embedding"`` for the leaves of ``nnx.Embed`` tables (under an
-  ``embed`` or ``pos`` attribute), ``"factored"`` for the others."""
-  def label(path, _):
-    names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
-    return "embedding" if names & {"embed", "pos"} else "factored"
-  return jax.tree_util.tree_map_with_path(label, params)
+def factored_leaves(params, unfactored: tuple):
+  """A ``factor_mask``: False for the leaves with one of the attribute names
+  ``unfactored`` in their path, True for the others."""
+  def factored(path, _):
+    keys = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
+    return not keys & set(unfactored)
+  return jax.tree_util.tree_map_with_path(factored, params)
 
 
 def _largest_axes_last(shape: tuple) -> Optional[tuple]:

@@ -151,10 +151,10 @@ def test_factor_with_embeddings_unfactored_keeps_their_second_moment_rank1(quali
   params = {"embed": {"embedding": jnp.zeros((256, 192))},
             "pos": {"embedding": jnp.zeros((128, 192))},
             "blocks": {"fc1": {"kernel": jnp.zeros((192, 768))}}}
-  assert quality.embedding_labels(params) == {
-      "embed": {"embedding": "embedding"}, "pos": {"embedding": "embedding"},
-      "blocks": {"fc1": {"kernel": "factored"}}}
-  tx = quality.make_optimizer(quality.FACTOR_EMBEDDINGS_UNFACTORED,
+  assert quality.factored_leaves(params, ("embed", "pos")) == {
+      "embed": {"embedding": False}, "pos": {"embedding": False},
+      "blocks": {"fc1": {"kernel": True}}}
+  tx = quality.make_optimizer("adamw_4bit_factor_embeddings_unfactored",
                               quality.Training(steps=10, learning_rate=1e-3), 0)
   state = tx.init(params)
   rank1 = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QuantizedArray))
