@@ -57,9 +57,10 @@ def _run(tx, params, steps=3):
   return updates, state
 
 
-# The default run: the default recipe and adamw_8bit in float32; the other optimizers, and bfloat16,
-# with -m slow (CI's time: about 16 s each). The stall rule's XLA codes are checked by tests/test_stall_rounding.py.
-_DEFAULT_RUN = {("adamw_4bit", "f32"), ("adamw_8bit", "f32")}
+# The default run: the default recipe in float32; the other optimizers (adamw_8bit's leaves:
+# `test_8bit_leaves_run_in_one_piece`), and bfloat16, with -m slow (CI's time: about 16 s
+# each). The stall rule's XLA codes are checked by tests/test_stall_rounding.py.
+_DEFAULT_RUN = {("adamw_4bit", "f32")}
 CASES = [pytest.param(name, dtype, id=f"{name}-{dtype_id}",
                       marks=() if (name, dtype_id) in _DEFAULT_RUN else pytest.mark.slow)
          for name in OPTIMIZERS for dtype, dtype_id in ((jnp.float32, "f32"),
