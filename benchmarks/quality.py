@@ -71,7 +71,8 @@ library's ``QuantSpec(stochastic=True, stall_only=True)``, skipped where it has 
 (4-bit Factor over the two largest axes of 3-D leaves, `factored_over_two_largest_axes`),
 ``adamw_4bit_factor_embeddings_unfactored`` and ``..._attention_unfactored`` (4-bit Factor
 with the default's rank-1 4-bit `v` on the ``nnx.Embed`` tables or the attention's matrices,
-the library's ``factor_mask``, `PARTLY_FACTORED_VARIANTS`) and rounding rules the library does not have, simulated in float32 (`SIMULATED_VARIANTS`,
+the library's ``factor_mask``, `PARTLY_FACTORED_VARIANTS`) and rounding rules the library
+does not have, simulated in float32 (`SIMULATED_VARIANTS`,
 `scale_by_adam_simulated_4bit`: the same 4-bit values, not the bytes); ``--diagnose``
 reports `optax4bit.diagnostics`' update-direction error of the chosen LMs.
 
