@@ -861,7 +861,9 @@ def load_prose_corpus(val_fraction: float = 0.1):
 
   Read at run time from the running interpreter's own files (no download);
   the corpus is whatever is installed, so its size and file count are part
-  of each run's cache key.
+  of each run's cache key. This package's own README is in it as it was at
+  install time (an editable install writes it once): a venv installed after
+  a README edit reads another corpus, and the key sees only its byte count.
   """
   paths = sorted({os.path.join(d, name, "METADATA") for d in package_dirs()
                   for name in os.listdir(d) if name.endswith(".dist-info")})
