@@ -310,15 +310,12 @@ def variant_quantizers(variant: str) -> dict:
     resolved = optax4bit.recipes.resolve("default", **candidate_specs(variant))
     return {"first_moment": spec_key(resolved.first_moment),
             "second_moment": spec_key(resolved.second_moment)}
-  if variant == FACTOR_LARGEST2:
+  if variant == FACTOR_LARGEST2 or variant in PARTLY_FACTORED_VARIANTS:
+    how = ("3-D over the two largest axes" if variant == FACTOR_LARGEST2 else
+           "factor_mask: rank-1 under " + "/".join(PARTLY_FACTORED_VARIANTS[variant]))
     quantizers = variant_quantizers("adamw_4bit_factor")
     return {**quantizers, "second_moment": quantizers["second_moment"].replace(
-        "Factor (ndim >= 2)", "Factor (ndim >= 2; 3-D over the two largest axes)")}
-  if variant in PARTLY_FACTORED_VARIANTS:
-    quantizers = variant_quantizers("adamw_4bit_factor")
-    names = "/".join(PARTLY_FACTORED_VARIANTS[variant])
-    return {**quantizers, "second_moment": quantizers["second_moment"].replace(
-        "Factor (ndim >= 2)", f"Factor (ndim >= 2; factor_mask: rank-1 under {names})")}
+        "Factor (ndim >= 2)", f"Factor (ndim >= 2; {how})")}
   builder, recipe = QUANTIZED_VARIANTS[variant]
   if builder == "adamw_8bit":
     return {"first_moment": spec_key(optax4bit.alias.EIGHT_BIT_FIRST_MOMENT),
@@ -378,15 +375,17 @@ def make_optimizer(variant: str, t: Training, seed: int) -> optax.GradientTransf
     tx = optax.chain(scale_by_factored_adam_fp32(),
                      optax.add_decayed_weights(t.weight_decay, mask),
                      optax.scale_by_learning_rate(lr))
-  elif variant == FACTOR_LARGEST2:
-    tx = factored_over_two_largest_axes(optax4bit.adamw_4bit_factor(
-        lr, weight_decay=t.weight_decay, mask=mask, min_quantize_size=t.min_quantize_size,
-        seed=seed))
-  elif variant in PARTLY_FACTORED_VARIANTS:
+  elif variant == FACTOR_LARGEST2 or variant in PARTLY_FACTORED_VARIANTS:
+    kwargs = {}
+    # Passed only where used: the largest-axes variant runs on a library without factor_mask.
+    if variant in PARTLY_FACTORED_VARIANTS:
+      kwargs["factor_mask"] = functools.partial(factored_leaves,
+                                                unfactored=PARTLY_FACTORED_VARIANTS[variant])
     tx = optax4bit.adamw_4bit_factor(
         lr, weight_decay=t.weight_decay, mask=mask, min_quantize_size=t.min_quantize_size,
-        seed=seed, factor_mask=functools.partial(factored_leaves,
-                                                 unfactored=PARTLY_FACTORED_VARIANTS[variant]))
+        seed=seed, **kwargs)
+    if variant == FACTOR_LARGEST2:
+      tx = factored_over_two_largest_axes(tx)
   else:
     builder_name, recipe = QUANTIZED_VARIANTS.get(variant, ("adamw_4bit", None))
     builder = getattr(optax4bit, builder_name)
