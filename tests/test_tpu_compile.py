@@ -246,3 +246,30 @@ def test_sharded_update_compiles_to_the_kernels_per_shard(v5e):
   counts = tpu_compile.hlo_counts(hlo)
   assert counts["while_loops"] == 0
   assert counts["custom_calls"].get(tpu_compile.PALLAS_TPU_TARGET, 0) >= 4
+
+
+tpu_update_floor = benchmark_script("tpu_update_floor")
+
+
+@pytest.mark.parametrize("name", ["adamw_4bit", "sgdm_4bit"])
+@pytest.mark.parametrize("writes_params", [False, True])
+def test_minimal_update_kernels_move_the_traffic_they_model(v5e, name, writes_params):
+  """`tpu_update_floor`'s kernels read and write what its `Traffic` says, per
+  matrix leaf ``(R, C)``: a stats pass (g and a moment's codes in, a float32
+  per row out) where there is one; a step of g, every moment's codes and block
+  scales (a float32 per 128) and a float32 per row in, the same codes and
+  scales and the update out, the params in too where it writes them."""
+  del v5e
+  traffic = tpu_update_floor.TRAFFIC[name]
+  codes = sum(traffic.code_bytes)
+  scales = sum(traffic.block_scaled) * 4 / 128
+  expected = 0
+  for leaf in jax.tree.leaves(tpu_compile.update_tree(SCALE)):
+    if leaf.ndim != 2:
+      continue
+    rows, size = leaf.shape[0], leaf.size
+    if traffic.stats_moment is not None:
+      expected += (4 + traffic.code_bytes[traffic.stats_moment]) * size + 4 * rows
+    expected += (4 + 2 * codes + 2 * scales + 4 + 4 * writes_params) * size + 4 * rows
+  _, kernels, _ = tpu_update_floor.floor_bytes(name, writes_params, scale=SCALE)
+  assert kernels == expected
