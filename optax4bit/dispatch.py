@@ -92,12 +92,15 @@ class FusedSteps(Protocol):
 class Backend(NamedTuple):
   """What runs an update: ``steps``, the fused steps (None: the jnp engine
   runs every leaf), ``codecs``, the 4-bit codecs the jnp engine runs in
-  place of its own (None: the jnp codecs), and ``whole_leaves``: whether
+  place of its own (None: the jnp codecs), ``whole_leaves``: whether
   reductions ahead of the steps (4-bit Factor's row and column sums) run on
-  whole leaves rather than in chunks of rows."""
+  whole leaves rather than in chunks of rows, and ``row_sums``: how those
+  reductions sum a leaf's rows (None: ``jnp.sum`` over the last axis; the
+  XLA engine's `optax4bit.xla.steps.row_sums` fuses with its first pass)."""
   steps: Optional[FusedSteps] = None
   codecs: Optional[Codecs] = None
   whole_leaves: bool = False
+  row_sums: Optional[Callable[[jax.Array], jax.Array]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +129,8 @@ class FallbackSteps:
 
 
 def _xla_backend() -> Backend:
-  return Backend(_xla_steps.XlaSteps(), _xla_codec, whole_leaves=True)
+  return Backend(_xla_steps.XlaSteps(), _xla_codec, whole_leaves=True,
+                 row_sums=_xla_steps.row_sums)
 
 
 def _tpu_backend(interpret: bool = False) -> Backend:
@@ -200,7 +204,7 @@ def resolve(implementation: Implementation, platform: Optional[str] = None) -> B
   Example:
     >>> from optax4bit import dispatch
     >>> dispatch.resolve("jnp")
-    Backend(steps=None, codecs=None, whole_leaves=False)
+    Backend(steps=None, codecs=None, whole_leaves=False, row_sums=None)
     >>> dispatch.resolve("xla").whole_leaves
     True
     >>> dispatch.resolve("auto", platform="tpu").steps

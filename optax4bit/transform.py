@@ -288,8 +288,9 @@ def scale_by_adam_4bit(
 # Adam with a factored second moment ("4-bit Factor").
 
 
-def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size, context):
-  """New row/column EMAs of the means of ``g**2`` over the last two axes.
+def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size, context, row_sums=None):
+  """New row/column EMAs of the means of ``g**2`` over the last two axes;
+  ``row_sums`` sums the rows (None: ``jnp.sum``; see `optax4bit.dispatch.Backend`).
 
   Returns the gradient as threaded through the chunked reduction (see
   `_leafwise.grad_sums`) and the new `FactoredMoment`.
@@ -299,7 +300,7 @@ def _factored_second_moment(grad, old: FactoredMoment, b2, chunk_size, context):
     # A non-finite gradient element counts as 0 in the row/column means:
     # otherwise one NaN would poison its whole row and column factor for good.
     g2 = jnp.where(jnp.isfinite(g2), g2, 0)
-    row = jnp.sum(g2, axis=-1, keepdims=True)
+    row = jnp.sum(g2, axis=-1, keepdims=True) if row_sums is None else row_sums(g2)
     col = jnp.sum(g2, axis=-2, keepdims=True)
     # For 2-D leaves the chunks split axis -2: column sums add up over chunks.
     return ((row,), (col,)) if g.ndim == 2 else ((row, col), ())
@@ -432,7 +433,7 @@ def scale_by_factored_adam_4bit(
           return out or _leafwise.update_leaf(adam, g, (m, v), keys=k, chunk_size=chunk,
                                               context=context)
         g, v = _factored_second_moment(g, v, b2, None if backend.whole_leaves else chunk,
-                                       context)
+                                       context, backend.row_sums)
         side = (v.row, v.col, jnp.mean(v.row, axis=-2, keepdims=True))
         out = fused and fused.run(fused_factored, g, (m,), side, k[:1], context=context)
         update, (m,) = out or _leafwise.update_leaf(factored_step, g, (m,), side, keys=k[:1],

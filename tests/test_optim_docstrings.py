@@ -11,7 +11,7 @@ import pytest
 import optax4bit.quant
 
 MODULES = ["optax4bit", "optax4bit.alias", "optax4bit.dispatch", "optax4bit.transform",
-           "optax4bit.wrappers", "optax4bit.presets", "optax4bit.tpu"] + sorted(
+           "optax4bit.wrappers", "optax4bit.presets", "optax4bit.tpu", "optax4bit.xla.steps"] + sorted(
     f"optax4bit.quant.{m.name}" for m in pkgutil.iter_modules(optax4bit.quant.__path__))
 
 

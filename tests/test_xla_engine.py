@@ -19,6 +19,7 @@ from optax4bit.quant import array as qarray
 from optax4bit.quant import packing
 from optax4bit.quant.spec import QuantSpec
 from optax4bit.xla import codec as xla_codec
+from optax4bit.xla import steps as xla_steps
 
 OPTIMIZERS = {
     "adamw_4bit": lambda impl: optax4bit.adamw_4bit(1e-2, implementation=impl),
@@ -162,3 +163,16 @@ def test_sharded_codes_equal_the_unsharded_jnp_engine():
     assert result["codes"] >= 3, (name, result)
     assert result["codes_equal"], (name, result)
     assert result["update_err"] < 1e-6, (name, result)
+
+
+@pytest.mark.parametrize("shape", [(6, 384), (2, 3, 256), (5, 200)])
+def test_row_sums_equal_sums_over_the_last_axis(shape):
+  """The XLA engine's row sums (chunks of 128 first, where the last axis is a
+  multiple of 128) against float64 sums; its backend gives them to 4-bit
+  Factor's factors, the TPU's does not."""
+  x = np.asarray(jax.random.uniform(jax.random.key(1), shape), np.float32)
+  got = np.asarray(xla_steps.row_sums(jnp.asarray(x)))
+  assert got.shape == shape[:-1] + (1,)
+  np.testing.assert_allclose(got, x.astype(np.float64).sum(-1, keepdims=True), rtol=1e-6)
+  assert dispatch.resolve("xla").row_sums is xla_steps.row_sums
+  assert dispatch.resolve("auto", "tpu").row_sums is None  # its layout costs more on a TPU

@@ -30,7 +30,7 @@ from optax4bit.quant import normalize
 from optax4bit.quant.array import QuantizedArray
 from optax4bit.quant.spec import RANK1_FALLBACK_BLOCK
 
-__all__ = ["XlaSteps"]
+__all__ = ["XlaSteps", "row_sums"]
 
 
 def _chunk_maxima(abs_x: jax.Array, chunk: int) -> jax.Array:
@@ -61,15 +61,43 @@ def _column_maxima(abs_x: jax.Array) -> jax.Array:
   return jnp.max(rows, axis=0).reshape((1,) * (abs_x.ndim - 1) + (length,))
 
 
+def row_sums(x: jax.Array) -> jax.Array:
+  """Sums of ``x`` over its last axis (kept, of size 1) as this engine's first
+  pass reads a leaf: over chunks of `RANK1_FALLBACK_BLOCK` (128) elements
+  first, the recipes' first-moment blocks, behind an optimization barrier,
+  then over the chunks (a last axis of another length: straight). XLA:GPU
+  then takes 4-bit Factor's row sums of ``g**2`` in one fusion with the
+  first pass's block maxima of the new first moment, reading the gradient
+  once (a 100M update compiled for an H100: 25.1 against 29.1 bytes per
+  parameter); summed straight they are a reduction of another shape, a
+  kernel of their own. On a TPU the chunk sums' layout cost more than they
+  save (the TPU engine keeps straight sums).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax4bit.xla import steps
+    >>> steps.row_sums(jnp.ones((2, 256))).tolist()
+    [[256.0], [256.0]]
+  """
+  length = x.shape[-1]
+  if length % RANK1_FALLBACK_BLOCK:
+    return jnp.sum(x, axis=-1, keepdims=True)
+  chunks = x.reshape(x.shape[:-1] + (length // RANK1_FALLBACK_BLOCK, RANK1_FALLBACK_BLOCK))
+  return jnp.sum(jax.lax.optimization_barrier(jnp.sum(chunks, axis=-1)), axis=-1, keepdims=True)
+
+
 def _new_scales(step, inputs: tuple, moments: tuple, context: LeafContext) -> tuple:
   """The scales every quantized new moment is encoded with (None for a
   plain one): its block, rank-1 or tensor maxima, the global leaf's in a
   shard.
 
-  Each group of reductions recomputes the step (``step(*inputs)``, its
-  inputs through an optimization barrier of its own): XLA fuses reductions
-  of one shape into one kernel, but not reductions over different axes, and
-  would otherwise store each float32 new moment for the second one. The
+  Each group of reductions recomputes the step (``step(*inputs)``), the
+  groups after the first with their inputs through an optimization barrier
+  of their own: XLA fuses reductions of one shape into one kernel, but not
+  reductions over different axes, and would otherwise store each float32
+  new moment for the second one. The first group reads the inputs
+  themselves, so that reductions of its shape over the same gradient outside
+  the engine join its kernel (`row_sums`). The
   reductions along the last axis share one group: block maxima, and the
   maxima over chunks of the last axis that rank-1 maxima of the other axes,
   and tensor maxima, are taken from (a maximum is exact in any order: the
@@ -83,8 +111,10 @@ def _new_scales(step, inputs: tuple, moments: tuple, context: LeafContext) -> tu
   def recomputed(group, i):
     """The new moments, recomputed for ``group``; the ``i``-th one's |x|."""
     if group not in groups:
-      # The group's index in the barrier: identical barriers would be merged.
-      *args, _ = jax.lax.optimization_barrier((*inputs, np.int32(len(groups))))
+      args = inputs
+      if groups:
+        # The group's index in the barrier: identical barriers would be merged.
+        *args, _ = jax.lax.optimization_barrier((*inputs, np.int32(len(groups))))
       groups[group] = step(*args)[1]
     return normalize.finite_abs(groups[group][i])
 
