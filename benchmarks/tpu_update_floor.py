@@ -28,7 +28,7 @@ about 18 of ``optax.adamw``'s 46.1 B/param on a v5e), whose number the schedule 
 these figures move by a few hundredths of the baseline between steps of equal traffic, and on
 small trees (``--scale 4``, where much fits on chip) far more. Measured at scale 1 (libtpu
 0.0.42.1, 2026-11-30): returning updates, the minimal kernels give 1.01x (``adamw_4bit``),
-0.90x (Factor), 0.95x (``adamw_8bit``) and 1.02x (``sgdm_4bit``), the library 1.01x, 0.90x,
+0.89x (Factor), 0.95x (``adamw_8bit``) and 1.02x (``sgdm_4bit``), the library 1.01x, 0.90x,
 0.91x and 1.02x; writing params, 0.45x to 0.50x.
 
 Run: ``TPU_SKIP_MDS_QUERY=1 python benchmarks/tpu_update_floor.py`` (the ``tpu-check`` extra).
@@ -158,7 +158,8 @@ def floor_bytes(name: str, writes_params: bool, generation: str = "v5e",
   def step(params, state, grads):
     def leaf(p, s, g):
       if p.ndim != 2:
-        return p - 1e-3 * (0.9 * s + g), s
+        moment = 0.9 * s + g
+        return p - 1e-3 * moment, moment
       new_p, codes, scales = _matrix_leaf(traffic, writes_params, p, g, *s)
       return new_p, (codes, scales)
     flat_state = jax.tree.structure(tree).flatten_up_to(state)
