@@ -108,7 +108,7 @@ def _step_kernel(num_codes: int, num_scales: int, reads_params: bool, *refs):
 def _matrix_leaf(traffic: Traffic, writes_params: bool, param, grad, codes, scales):
   """(new param, new codes, new scales) of one matrix leaf through the minimal kernels."""
   from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
-  rows, cols = grad.shape
+  rows = grad.shape[0]
   grid = (rows // ROWS_PER_PROGRAM,)
   if traffic.stats_moment is None:
     row_stat = jnp.ones((rows, 1), jnp.float32)
