@@ -31,6 +31,7 @@ from optax4bit._separability import (
 from optax4bit._state_fields import StateSplit
 from optax4bit._validation import DEFAULT_CHUNK_SIZE
 from optax4bit.quant import array as qarray
+from optax4bit.quant import maps
 from optax4bit.quant.spec import QuantSpec
 
 
@@ -115,8 +116,7 @@ def _encode(value, like, key, context: LeafContext, chunk_size: int = DEFAULT_CH
 
 def _rounding_key(seed, count, i: int, k: int):
   """Key of stochastic rounding for state position ``k`` of parameter ``i``."""
-  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
-      jax.random.key(seed), count), i), k)
+  return maps.stream_key(maps.stream_key(jax.random.fold_in(jax.random.key(seed), count), k), i)
 
 
 def _encode_new(value, spec: Optional[QuantSpec], key_fn, param, context: LeafContext):

@@ -31,8 +31,9 @@ __all__ = ["RoundParamsStochasticallyState", "round_params_stochastically"]
 # complex, integer) passes through.
 ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-# Folded into each leaf's key after the leaf index, so that the parameters'
-# draws are independent of the moments' (which fold in 0, 1, ... there).
+# The parameters' stream of the step's key (`maps.stream_key`), whose stream
+# ``leaf`` keys a leaf: their draws are independent of the moments' (the
+# step key's streams 0, 1, ...).
 _PARAM_STREAM = 0x70617261
 
 
@@ -156,8 +157,8 @@ def leaf_uniform(seed: int, count: jax.Array, leaf: int, shape: tuple) -> jax.Ar
   """The U[0, 1) draws of leaf ``leaf`` at step ``count``: the states' hash
   (`maps.hashed_uniform` of the flat index in the global leaf) under a key
   derived like their keys, on a stream of its own."""
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), leaf)
-  key = jax.random.fold_in(key, _PARAM_STREAM)
+  key = maps.stream_key(jax.random.fold_in(jax.random.key(seed), count), _PARAM_STREAM)
+  key = maps.stream_key(key, leaf)
   return maps.hashed_uniform(maps.rounding_seed(key), tuple(shape))
 
 

@@ -18,6 +18,7 @@ from optax4bit import recipes as _recipes
 from optax4bit import _state_sharding
 from optax4bit import dispatch as _dispatch
 from optax4bit.quant import array as qarray
+from optax4bit.quant import maps
 from optax4bit.quant.spec import QuantSpec, SpecLike
 
 __all__ = [
@@ -109,7 +110,7 @@ def _leaf_keys(seed, count, num_leaves: int, num_moments: int, stochastic: bool)
   if not stochastic:
     return [(None,) * num_moments] * num_leaves
   base = jax.random.fold_in(jax.random.key(seed), count)
-  return [tuple(jax.random.fold_in(jax.random.fold_in(base, leaf), m) for m in range(num_moments))
+  return [tuple(maps.stream_key(base, leaf * num_moments + m) for m in range(num_moments))
           for leaf in range(num_leaves)]
 
 

@@ -295,12 +295,14 @@ def test_faults_harm_no_more_than_in_optax_many(name, tree):
 
 def test_float16_momentum_overflows_near_the_range():
   """Found by the slow run (its shrunk example's kin): sgdm_4bit, one (300,)
-  float16 leaf, ``trees()``'s draw with seed 281, exponent 4, finite
-  gradients up to 2.5e4. At step 3 optax's float16 momentum overflows to
-  inf at 2 elements; ours also at element 12, whose momentum is 63652 in
-  float32, 3% below the float16 maximum: the 4-bit rounding. `_harm` leaves
-  such elements out (`_near_overflow`), and checks the rest."""
-  rng = np.random.default_rng(281)
+  float16 leaf, ``trees()``'s kind of draw (exponent 4), finite gradients up
+  to 2.8e4. At step 3 optax's float16 momentum overflows to inf at 3
+  elements; ours also at element 20, whose momentum is 64563 in float32,
+  1.4% below the float16 maximum: the 4-bit rounding. `_harm` leaves such
+  elements out (`_near_overflow`), and checks the rest. (Seed 280: the
+  draws of stochastic rounding decide which seed shows it; 281 did before
+  `maps.stream_key`, and 273-298 show it at 22 of 26 seeds now.)"""
+  rng = np.random.default_rng(280)
   p = rng.standard_normal((300,)).astype(np.float32)
   g = (rng.standard_normal((300,)) * 1e4).astype(np.float32)
   params = {"leaf0": jnp.asarray(p, jnp.float16)}

@@ -157,11 +157,14 @@ def test_lands_exactly_for_every_param_value(dtype):
 
 def test_draws_are_the_states_hash_per_step_and_leaf():
   seed, count, leaf, shape = 5, 7, 1, (3, 40)
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), leaf)
-  key = jax.random.fold_in(key, param_rounding._PARAM_STREAM)  # pylint: disable=protected-access
+  step_seed = maps.rounding_seed(jax.random.fold_in(jax.random.key(seed), count))
+  # `maps.stream_key`'s seed, mix32(mix32(seed) ^ stream): the params' stream, then the leaf's.
+  stream = np.uint32(param_rounding._PARAM_STREAM)  # pylint: disable=protected-access
+  params_seed = maps.mix32(maps.mix32(step_seed) ^ stream)
+  leaf_seed = maps.mix32(maps.mix32(params_seed) ^ np.uint32(leaf))
   np.testing.assert_array_equal(
       param_rounding.leaf_uniform(seed, jnp.int32(count), leaf, shape),
-      maps.hashed_uniform(maps.rounding_seed(key), shape))
+      maps.hashed_uniform(leaf_seed, shape))
   # Two identical leaves, and two steps, round differently.
   params = {"a": jnp.ones((4096,), jnp.bfloat16), "b": jnp.ones((4096,), jnp.bfloat16)}
   updates = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**-9, jnp.float32), params)

@@ -173,6 +173,37 @@ def test_fold16_distributes_over_xor_and_flips_bit_0_for_odd_neighbours():
       (np.asarray(maps.mix32(jnp.asarray(a) ^ seed)) >> 8).astype(np.float32) * 2.0**-24)
 
 
+def _numpy_mix32(x: np.ndarray) -> np.ndarray:
+  """`maps.mix32` in numpy uint32 arithmetic (its docstring's constants)."""
+  x = np.asarray(x, np.uint32)
+  with np.errstate(over="ignore"):
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x21F0AAAD)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x735A2D97)
+    return x ^ (x >> np.uint32(15))
+
+
+def test_stream_keys_seed_as_documented_and_differ():
+  """A stream's seed is ``mix32(mix32(seed of the key) ^ index)``; the
+  leaves and moments of a step, and the same stream on two steps, differ."""
+  key = jax.random.fold_in(jax.random.key(4), 9)
+  words = np.asarray(jax.random.key_data(key), np.uint32)
+  base = _numpy_mix32(_numpy_mix32(words[0]) ^ words[1])
+  assert int(maps.rounding_seed(key)) == int(base)
+  for index in (0, 1, 7, 0x70617261):
+    got = maps.rounding_seed(maps.stream_key(key, index))
+    assert int(got) == int(_numpy_mix32(_numpy_mix32(base) ^ np.uint32(index)))
+  seeds = {int(maps.rounding_seed(maps.stream_key(maps.stream_key(key, leaf), m)))
+           for leaf in range(64) for m in range(3)}
+  assert len(seeds) == 64 * 3
+  other_step = maps.stream_key(jax.random.fold_in(jax.random.key(4), 10), 0)
+  assert int(maps.rounding_seed(other_step)) != int(maps.rounding_seed(maps.stream_key(key, 0)))
+  # Under jit too, without a threefry per stream (one for the step's key).
+  jaxpr = jax.make_jaxpr(lambda k: [maps.rounding_seed(maps.stream_key(k, i)) for i in range(8)])
+  assert str(jaxpr(key)).count("threefry") == 0
+
+
 def test_row_hash_bases_index_the_whole_tensor():
   """Kernels draw for element c of row r of a shard at bases[r] + c."""
   full, origin, block = (6, 10, 12), (3, 5, 8), (3, 5, 4)

@@ -293,6 +293,28 @@ def rounding_seed(key: jax.Array) -> jax.Array:
   return seed
 
 
+def stream_key(key: jax.Array, index) -> jax.Array:
+  """The key of stochastic rounding's stream ``index`` of ``key``: what
+  ``jax.random.fold_in(key, index)`` is for a PRNG stream, without its
+  threefry hash. Its data is ``(rounding_seed(key), index)``, so its
+  `rounding_seed` is ``mix32(mix32(rounding_seed(key)) ^ index)``: distinct
+  streams get distinct seeds (`mix32` is a bijection) for a dozen integer
+  operations. The optimizers key each leaf and moment this way every step:
+  ~110 scalar instructions per threefry, two per quantized leaf, took XLA:TPU
+  0.4-0.8 s to compile on a 15-leaf model. Its only use is `rounding_seed`.
+
+  Example:
+    >>> import jax
+    >>> from optax4bit.quant import maps
+    >>> key = jax.random.key(0)
+    >>> a, b = (maps.rounding_seed(maps.stream_key(key, i)) for i in (0, 1))
+    >>> bool(a != b)
+    True
+  """
+  data = jnp.stack([rounding_seed(key), jnp.asarray(index, jnp.uint32)])
+  return jax.random.wrap_key_data(data, impl="threefry2x32")
+
+
 def row_hash_bases(shape: tuple, origin: tuple = (), full_shape: Optional[tuple] = None):
   """uint32 flat index (modulo 2**32), in a tensor of shape ``full_shape``,
   of the first element of each row (last axis) of its block of shape
