@@ -255,6 +255,27 @@ def tpu_device(generation: str = "v5e"):
   return _topology(TOPOLOGIES.get(generation, generation)).devices[0]
 
 
+def kernels_compile_error(device) -> str | None:
+  """None where the installed libtpu compiles this jax's Pallas TPU kernels
+  for ``device``, else why not. A libtpu of another jax release describes
+  the topology and compiles XLA, but may not read the kernels' Mosaic
+  config (jax 0.12 with libtpu 0.0.42: "no such field: 'debug_locations'")."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=SingleDeviceSharding(device))
+  kernel = pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
+  try:
+    jax.jit(kernel).lower(x).compile()
+  except Exception as e:  # pylint: disable=broad-except  (JaxRuntimeError, ValueError...)
+    return (f"libtpu {importlib.metadata.version('libtpu')} does not compile jax "
+            f"{jax.__version__}'s Pallas TPU kernels (install the libtpu that "
+            f"jax[tpu]=={jax.__version__} asks for): {str(e)[:300]}")
+  return None
+
+
 _TOPOLOGY_CACHE = {}
 
 
