@@ -301,7 +301,7 @@ def stream_key(key: jax.Array, index) -> jax.Array:
   streams get distinct seeds (`mix32` is a bijection) for a dozen integer
   operations. The optimizers key each leaf and moment this way every step:
   ~110 scalar instructions per threefry, two per quantized leaf, took XLA:TPU
-  0.4-0.8 s to compile on a 15-leaf model. Its only use is `rounding_seed`.
+  0.5-0.8 s to compile on a 15-leaf model. Its only use is `rounding_seed`.
 
   Example:
     >>> import jax
