@@ -33,11 +33,13 @@ def hash_origin(shape, context: LeafContext, first_row=0):
 
 
 def encode(value, spec, layout, key, context: LeafContext, first_row=0, scales=None,
-           stored_codes=None):
+           stored_codes=None, inverses=None):
   """``(codes, scales)`` of float32 ``value`` (rows ``first_row, ...`` of its
   leaf): under ``scales`` (rank-1 or tensor ones of the whole leaf) or, for
   None, its own block maxima. ``stored_codes``: the packed codes ``value``
-  replaces (a ``stall_only`` spec's)."""
+  replaces (a ``stall_only`` spec's). ``inverses``: the scales'
+  `normalize.inverse_times_4`, computed beforehand; only the XLA engine's
+  codecs take them."""
   seed = origin = full_shape = None
   if spec.stochastic:
     origin, full_shape = hash_origin(value.shape, context, first_row)
@@ -45,10 +47,12 @@ def encode(value, spec, layout, key, context: LeafContext, first_row=0, scales=N
   codecs = context.codecs
   if codecs is not None:
     bases = None if seed is None else maps.row_hash_bases(value.shape, origin, full_shape)
-    out = codecs.encode(value, spec, layout, scales, seed, bases, stored_codes)
+    extra = {} if inverses is None else {"inverses": inverses}
+    out = codecs.encode(value, spec, layout, scales, seed, bases, stored_codes, **extra)
     if out is not None:
       return out
   if scales is None:
     scales = normalize.compute_scales(normalize.finite_abs(value), layout)
   uniform = None if seed is None else maps.hashed_uniform(seed, value.shape, origin, full_shape)
-  return qarray.encode(value, scales, spec, layout, uniform, stored_codes), scales
+  return qarray.encode(value, scales, spec, layout, uniform, stored_codes,
+                       inverses=inverses), scales

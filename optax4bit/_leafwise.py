@@ -57,10 +57,12 @@ def decode_moment(moment, context: LeafContext) -> jax.Array:
   return moment.astype(compute_dtype(moment))
 
 
-def encode_moment(value: jax.Array, like, context: LeafContext, key=None, scales=None):
+def encode_moment(value: jax.Array, like, context: LeafContext, key=None, scales=None,
+                  inverses=None):
   """Stores float32 ``value`` the way ``like`` (the old moment) is stored (in
   a shard, rank-1 and tensor scales are the global leaf's), under ``scales``
-  where given (those of ``value``, computed beforehand)."""
+  where given (those of ``value``, computed beforehand; ``inverses``: their
+  `normalize.inverse_times_4`, see `optax4bit._codecs.encode`)."""
   if not isinstance(like, QuantizedArray):
     return value.astype(like.dtype)
   layout = like.layout
@@ -69,7 +71,7 @@ def encode_moment(value: jax.Array, like, context: LeafContext, key=None, scales
     if context.shard is not None:
       scales = context.shard.reduce_scales(scales, layout)
   codes, scales = _codecs.encode(value, like.spec, layout, key, context, scales=scales,
-                                 stored_codes=like.codes)
+                                 stored_codes=like.codes, inverses=inverses)
   return QuantizedArray(codes, scales, like.spec, like.shape, like.dtype)
 
 

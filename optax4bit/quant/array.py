@@ -150,12 +150,13 @@ def is_quantized(x) -> bool:
 
 def encode(x: jax.Array, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
            uniform: Optional[jax.Array] = None, stored_codes: Optional[jax.Array] = None,
-           fusible: bool = False) -> jax.Array:
+           fusible: bool = False, inverses: Optional[tuple] = None) -> jax.Array:
   """Packed codes of float32 ``x`` under given scales (``uniform`` draws for
   stochastic rounding). ``stored_codes``: the packed codes ``x`` replaces,
   which a ``stall_only`` spec keeps stochastic rounding to (None: stochastic
-  everywhere); ``fusible`` unpacks them as `decode` does."""
-  n = normalize.normalize(x, scales, layout)
+  everywhere); ``fusible`` unpacks them as `decode` does; ``inverses``: the
+  scales' `normalize.inverse_times_4`, computed beforehand (`normalize.normalize`)."""
+  n = normalize.normalize(x, scales, layout, inverses)
   if not spec.stochastic:
     return packing.pack(maps.encode_nearest(n, spec.mapping, spec.bits, spec.signed), spec.bits)
   codes = maps.encode_stochastic(n, uniform, spec.mapping, spec.bits, spec.signed)

@@ -21,7 +21,7 @@ row or column.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -135,16 +135,21 @@ def expand_scales(scales: tuple, layout: Layout, shape: tuple) -> jax.Array:
   return _expand(scales, layout, shape, jnp.minimum)
 
 
-def normalize(x: jax.Array, scales: tuple, layout: Layout) -> jax.Array:
+def normalize(x: jax.Array, scales: tuple, layout: Layout,
+              inverses: Optional[tuple] = None) -> jax.Array:
   """The normalized tensor ``x * (1 / scale)``, NaN mapped to 0.
 
   The reciprocal is taken on the small scale arrays (for rank-1,
   ``1 / min(mu) == max(1 / mu)`` exactly), then multiplied: a division per
   element is several times slower on XLA's CPU backend. Elements with scale 0
   get 0 (``+-inf`` there gives NaN, hence 0); elsewhere ``+-inf`` stay
-  infinite and clamp to the table's ends when encoded.
+  infinite and clamp to the table's ends when encoded. ``inverses``: the
+  `inverse_times_4` of each of ``scales``, computed beforehand (where the
+  scales were made, so that XLA does not launch a kernel per scale array).
   """
-  inverse = _expand(tuple(map(inverse_times_4, scales)), layout, x.shape, jnp.maximum)
+  if inverses is None:
+    inverses = tuple(map(inverse_times_4, scales))
+  inverse = _expand(tuple(inverses), layout, x.shape, jnp.maximum)
   return normalize_by_inverse(x, inverse)
 
 

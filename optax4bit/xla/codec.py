@@ -29,11 +29,13 @@ def decode(codes, scales: tuple, spec: QuantSpec, layout: normalize.Layout,
 def encode(value: jax.Array, spec: QuantSpec, layout: normalize.Layout,
            scales: Optional[tuple], seed: Optional[jax.Array],
            row_bases: Optional[jax.Array],
-           stored_codes: Optional[jax.Array] = None) -> Optional[tuple]:
+           stored_codes: Optional[jax.Array] = None,
+           inverses: Optional[tuple] = None) -> Optional[tuple]:
   """``(codes, scales)`` of float32 ``value``, as `optax4bit._codecs.encode`:
-  under ``scales`` (None: ``value``'s own maxima), stochastic rounding hashed
-  from ``seed`` and the flat index of each row's first element
-  (``row_bases``, `optax4bit.quant.maps.row_hash_bases`)."""
+  under ``scales`` (None: ``value``'s own maxima; ``inverses``: their
+  `optax4bit.quant.normalize.inverse_times_4`, computed beforehand),
+  stochastic rounding hashed from ``seed`` and the flat index of each row's
+  first element (``row_bases``, `optax4bit.quant.maps.row_hash_bases`)."""
   if scales is None:
     scales = normalize.compute_scales(normalize.finite_abs(value), layout)
   uniform = None
@@ -41,4 +43,5 @@ def encode(value: jax.Array, spec: QuantSpec, layout: normalize.Layout,
     bases = jnp.reshape(row_bases, value.shape[:-1] + (1,))
     column = jax.lax.broadcasted_iota(jnp.uint32, value.shape, value.ndim - 1)
     uniform = maps.uniform_of_index(seed, bases + column)
-  return qarray.encode(value, scales, spec, layout, uniform, stored_codes, fusible=True), scales
+  return qarray.encode(value, scales, spec, layout, uniform, stored_codes, fusible=True,
+                       inverses=inverses), scales

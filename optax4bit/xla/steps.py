@@ -165,13 +165,24 @@ def _local_update(rebuild_step, context: LeafContext, grad, moments, side, keys,
     old = tuple(_leafwise.decode_moment(m, context) for m in moments)
     return step_fn(grad.astype(_leafwise.compute_dtype(grad)), old, tuple(side))
 
-  scales = (None,) * len(moments)
+  scales = inverses = (None,) * len(moments)
   if any(isinstance(m, QuantizedArray) for m in moments):
     scales = _new_scales(step, (grad, moments, side), moments, context)
-    grad, moments, side, scales = jax.lax.optimization_barrier((grad, moments, side, scales))
+    # Rank-1 and tensor scales' inverses before the barrier: XLA computes
+    # them in the kernels of the scales' last reductions, where after it each
+    # was a kernel of its own (XLA does not repeat a division per element of
+    # the step). Block scales come out of a multi-output reduction that takes
+    # no such epilogue; computed here they cost Factor a kernel more per leaf.
+    inverses = tuple(
+        None if s is None or m.layout.normalization == "block"
+        else tuple(map(normalize.inverse_times_4, s)) for s, m in zip(scales, moments))
+    grad, moments, side, scales, inverses = jax.lax.optimization_barrier(
+        (grad, moments, side, scales, inverses))
   update, new = step(grad, moments, side)
-  new_moments = tuple(_leafwise.encode_moment(value, moment, context, key, moment_scales)
-                      for value, moment, key, moment_scales in zip(new, moments, keys, scales))
+  new_moments = tuple(
+      _leafwise.encode_moment(value, moment, context, key, moment_scales, moment_inverses)
+      for value, moment, key, moment_scales, moment_inverses
+      in zip(new, moments, keys, scales, inverses))
   return _leafwise.cast(update, grad.dtype), new_moments
 
 
